@@ -1,0 +1,54 @@
+# The README's commands. Each creates .venv when needed and installs what it needs.
+#
+#   make demo        decode demo over a random paged latent cache
+#   make test        lint + the pytest suite (CPU; GPU tests skip with their reason)
+#   make lint        ruff check + ruff format --check
+#   make bench       CPU decode benchmark (JSON + PNG under benchmarks/results/)
+#
+# TORCH is the torch spec installed into a *new* venv. Where the system python already has
+# a GPU (ROCm/CUDA) torch, the venv sees it through --system-site-packages and nothing is
+# installed over it.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rocm-mla-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint bench format clean
+
+$(STAMP): pyproject.toml
+	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if (torch.version.hip or torch.version.cuda) else 1)" 2>/dev/null; then \
+		echo "make: using the system's GPU torch ($$($(PYTHON) -c 'import torch; print(torch.__version__)')); installing nothing over it"; \
+		test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV); \
+		$(PY) -m pip install --quiet --upgrade pip; \
+		$(PY) -m pip install --quiet --no-deps -e .; \
+		$(PY) -m pip install --quiet numpy safetensors "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "transformers>=5.0"; \
+	else \
+		test -x $(PY) || $(PYTHON) -m venv $(VENV); \
+		$(PY) -m pip install --quiet --upgrade pip; \
+		$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"; \
+		$(PY) -m pip install --quiet -e ".[test,triton]"; \
+	fi
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/rocm-mla demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/cpu_decode.py
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

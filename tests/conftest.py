@@ -1,0 +1,30 @@
+"""Hardware markers skip with a reason that says what is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+
+def _skip_reason(marker: str) -> str | None:
+    if marker == "gpu" and not torch.cuda.is_available():
+        return "needs a GPU: torch sees no CUDA/HIP device"
+    if marker == "rocm":
+        if not torch.version.hip:
+            return "needs a ROCm (HIP) build of torch"
+        if not torch.cuda.is_available():
+            return "needs a visible AMD GPU"
+    if marker == "vllm" and importlib.util.find_spec("vllm") is None:
+        return "needs vLLM (run `make test-vllm`, which uses its own venv)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for marker in ("gpu", "rocm", "vllm"):
+            if item.get_closest_marker(marker):
+                reason = _skip_reason(marker)
+                if reason:
+                    item.add_marker(pytest.mark.skip(reason=reason))

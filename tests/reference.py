@@ -1,0 +1,95 @@
+"""Independent references for the tests, written apart from every backend.
+
+``dense_mla_decode`` is the plainest possible statement of ``mla_decode``: per request, copy
+the cache rows it owns into a dense tensor, then per query row a softmax over the visible
+ones, in float64. ``make_paged_problem`` builds random paged caches with shuffled block
+tables and NaN in every slot no request owns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def dense_mla_decode(
+    q,
+    kv_cache,
+    block_table,
+    cache_seqlens,
+    *,
+    head_dim_v=512,
+    softmax_scale=None,
+    causal=True,
+    kv_scale=None,
+):
+    """Returns (out [B, S_q, H, Dv] float64, lse [B, S_q, H] float64)."""
+    if kv_cache.dim() == 4:
+        kv_cache = kv_cache[:, :, 0]
+    batch, q_len, num_heads, head_dim = q.shape
+    block_size = kv_cache.shape[1]
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    deq = 1.0 if kv_scale is None else float(kv_scale)
+    out = torch.zeros(batch, q_len, num_heads, head_dim_v, dtype=torch.float64)
+    lse = torch.full((batch, q_len, num_heads), -math.inf, dtype=torch.float64)
+    for b in range(batch):
+        length = int(cache_seqlens[b])
+        rows = [
+            kv_cache[int(block_table[b, t // block_size]), t % block_size] for t in range(length)
+        ]
+        if not rows:
+            continue
+        keys = torch.stack(rows).to(torch.float64) * deq  # [L, D]
+        for i in range(q_len):
+            visible = length - q_len + 1 + i if causal else length
+            if visible <= 0:
+                continue
+            k = keys[:visible]
+            s = (q[b, i].to(torch.float64) @ k.T) * scale  # [H, visible]
+            lse[b, i] = torch.logsumexp(s, dim=-1)
+            out[b, i] = torch.softmax(s, dim=-1) @ k[:, :head_dim_v]
+    return out, lse
+
+
+def make_paged_problem(
+    lengths,
+    *,
+    num_heads=16,
+    q_len=1,
+    block_size=16,
+    head_dim=576,
+    dtype=torch.float32,
+    extra_blocks=3,
+    seed=0,
+    nan_fill=True,
+    four_d=False,
+):
+    """Random q / paged cache / shuffled block table for the given per-request lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    blocks_per_req = [max(1, -(-n // block_size)) for n in lengths]
+    max_blocks = max(blocks_per_req) + 1
+    num_blocks = sum(blocks_per_req) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    kv = torch.randn(num_blocks, block_size, head_dim, generator=gen)
+    if nan_fill:
+        kv_filled = torch.full_like(kv, math.nan)
+    block_table = torch.full((batch, max_blocks), -1, dtype=torch.int32)
+    cursor = 0
+    for b, n in enumerate(lengths):
+        for j in range(-(-n // block_size)):
+            blk = int(perm[cursor])
+            cursor += 1
+            block_table[b, j] = blk
+            used = min(block_size, n - j * block_size)
+            if nan_fill:
+                kv_filled[blk, :used] = kv[blk, :used]
+    if nan_fill:
+        kv = kv_filled
+    q = torch.randn(batch, q_len, num_heads, head_dim, generator=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    kv = kv.to(dtype)
+    if four_d:
+        kv = kv.unsqueeze(2)
+    return q.to(dtype), kv, block_table, seqlens
