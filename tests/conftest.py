@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
+
+# With no GPU, Triton kernels can only run in the interpreter, which must be switched on
+# before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _skip_reason(marker: str) -> str | None:

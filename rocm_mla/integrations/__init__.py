@@ -1,0 +1,1 @@
+"""Adapters that put rocm_mla under other frameworks."""

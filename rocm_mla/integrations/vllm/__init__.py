@@ -1,0 +1,1 @@
+"""vLLM general plugin and MLA backend."""
