@@ -14,6 +14,7 @@ from rocm_mla.inputs import DecodeProblem
 
 __all__ = [
     "BACKEND_NAMES",
+    "ENV_VAR",
     "Capabilities",
     "MLADecodeImpl",
     "available_backends",
