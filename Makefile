@@ -44,7 +44,8 @@ test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) benchmarks/cpu_decode.py
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib
+	$(PY) -m benchmarks.cpu_decode
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
