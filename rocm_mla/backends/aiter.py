@@ -1,15 +1,307 @@
-"""AITER MLA decode backend (MI300X/MI355X, aiter.mla.mla_decode_fwd)."""
+"""AITER backend: ``aiter.mla.mla_decode_fwd`` on MI300X (gfx942) and MI355X (gfx950).
+
+AITER's MLA decode is prebuilt assembly. Its contract, and how this impl meets it:
+
+- page size 1: the paged cache is viewed as ``[num_blocks * block_size, 1, 1, D]`` (one
+  token per page, no copy) and the block table is expanded into per-token ``kv_indices``
+  (``block_id * block_size + offset``); ``kv_last_page_lens`` is then all ones. bf16 decode
+  with ``page_size > 1`` silently returned wrong output (aiter#2996/#3095), so we never ask.
+- heads: the non-persistent kernels exist for 16 and 128 query heads with both bf16 and
+  fp8 inputs (``csrc/py_itfs_cu/asm_mla.cu``), so other counts are zero-padded up to the
+  next of those and sliced back out of ``o`` and the LSE.
+- keywords: everything after ``max_seqlen_q`` is passed by keyword, because older releases
+  had no ``page_size``/``nhead_kv`` and ``sm_scale`` sat where ``page_size`` sits now.
+- output: the kernel writes the result into ``o``; the first value it returns is the fp32
+  split-KV scratch (``[total_q, splits, H, Dv]``), not the output. ``return_lse=True``
+  returns the natural-log LSE of the scaled scores as ``[total_q, H]`` fp32, this
+  package's own convention, so it only needs reshaping. (AITER before aiter#3267 returned
+  a wrong LSE for more than 16 heads; DCP needs a release with that fix.)
+- empty rows: a request with no visible keys comes back as ``0/0`` (NaN) from the split
+  reduce, so rows with no visible key are set to out 0 / lse -inf here, as
+  ``rocm_mla.mla_decode`` promises.
+- fp8: a8w8 only (fp8 q with fp8 KV, per-tensor ``q_scale``/``kv_scale``); q is quantized
+  here to the cache's fp8 type, which must be AITER's for the arch (e4m3fnuz on gfx942,
+  e4m3fn on gfx950).
+
+Known kernel bugs and untested shapes are unsupported reasons, never silent wrong numbers,
+so ``auto`` falls back to Triton for them.
+"""
 
 from __future__ import annotations
 
+import importlib
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from rocm_mla import platform
 from rocm_mla.backends.base import Capabilities, MLADecodeImpl
-from rocm_mla.inputs import KV_DTYPES, Q_DTYPES
+from rocm_mla.inputs import FP8_DTYPES, DecodeProblem, visible_lengths
+
+SUPPORTED_ARCHS = ("gfx942", "gfx950")
+#: AITER's fp8 type per arch (``aiter.utility.dtypes.defaultDtypes``).
+FP8_BY_ARCH = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
+#: Head counts with a non-persistent decode kernel for both bf16 and fp8 (asm_mla.cu).
+#: 32 and 64 have bf16-only kernels; padding them to 128 keeps one code path per dtype.
+KERNEL_HEADS = (16, 128)
+#: Longest verify window (S_q) per cache type: asm_mla.cu rejects fp8 windows over 4 and
+#: has bf16 kernels up to 8.
+MAX_Q_LEN_BF16 = 8
+MAX_Q_LEN_FP8 = 4
+
+
+def _aiter_mla() -> ModuleType:
+    """``aiter.mla``, imported on first use; the one place the kernel module is looked up.
+
+    Raises ImportError (or whatever importing AITER raises) when it cannot be imported.
+    """
+    return importlib.import_module("aiter.mla")
+
+
+def _aiter_version() -> str | None:
+    # "aiter" on PyPI is an unrelated package, so only AMD's distribution name counts.
+    return platform.package_version("amd-aiter")
+
+
+def _torch_build() -> str:
+    return platform.torch_build()
+
+
+def _gpu_arch() -> str | None:
+    """The gfx arch of the current GPU ("gfx942"), or None with no HIP GPU visible."""
+    current = platform.current_platform()
+    return current.arch if current.kind == "hip" else None
+
+
+def kernel_heads(num_heads: int) -> int:
+    """The head count the kernel runs for ``num_heads`` query heads (they are padded to it)."""
+    for heads in KERNEL_HEADS:
+        if num_heads <= heads:
+            return heads
+    raise ValueError(
+        f"aiter: num_heads must be at most {KERNEL_HEADS[-1]}, got {num_heads} "
+        "(use the triton or torch backend)"
+    )
+
+
+@dataclass(frozen=True)
+class AiterDecodeMetadata:
+    """The CSR metadata ``mla_decode_fwd`` reads, for page size 1. All int32 on q's device."""
+
+    qo_indptr: torch.Tensor  #: [B + 1]; request b's queries are rows [b * S_q, (b + 1) * S_q)
+    kv_indptr: torch.Tensor  #: [B + 1]; request b's tokens are kv_indices[kv_indptr[b]:...]
+    kv_indices: torch.Tensor  #: [sum(cache_seqlens)] rows of the flattened cache
+    kv_last_page_lens: torch.Tensor  #: [B] all ones (each page holds one token)
+    max_seqlen_q: int  #: S_q (every request has the same number of queries)
+
+
+def build_decode_metadata(
+    block_table: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int, q_len: int
+) -> AiterDecodeMetadata:
+    """Expand a paged block table into AITER's page-size-1 metadata.
+
+    Args:
+        block_table: ``[B, max_blocks]`` int; entry ``j`` of request ``b`` holds its tokens
+            ``[j * block_size, (j + 1) * block_size)``. Entries past a request's last
+            block are never read.
+        cache_seqlens: ``[B]`` int tokens per request.
+        block_size: tokens per block of the paged cache.
+        q_len: ``S_q``, queries per request.
+
+    Token ``t`` of request ``b`` becomes row ``block_table[b, t // block_size] * block_size
+    + t % block_size`` of the ``[num_blocks * block_size, 1, 1, D]`` view. Vectorized on the
+    tensors' device; sizing ``kv_indices`` costs one host sync.
+    """
+    device = block_table.device
+    batch = block_table.shape[0]
+    lens = cache_seqlens.to(torch.int64)
+    kv_indptr = torch.zeros(batch + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lens, dim=0, out=kv_indptr[1:])
+    total = int(kv_indptr[-1])
+    request = torch.repeat_interleave(
+        torch.arange(batch, device=device), lens, output_size=total
+    )  # [total]: which request each token belongs to
+    position = torch.arange(total, device=device) - kv_indptr[request]
+    blocks = block_table[request, position // block_size].to(torch.int64)
+    kv_indices = blocks * block_size + position % block_size
+    return AiterDecodeMetadata(
+        qo_indptr=torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device),
+        kv_indptr=kv_indptr.to(torch.int32),
+        kv_indices=kv_indices.to(torch.int32),
+        kv_last_page_lens=torch.ones(batch, dtype=torch.int32, device=device),
+        max_seqlen_q=q_len,
+    )
+
+
+def quantize_per_tensor(
+    x: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as ``fp8_dtype`` with one fp32 scale: ``x ~= x_fp8.float() * scale``.
+
+    Returns ``(x_fp8, scale [1] float32)``; both stay on ``x``'s device (no host sync).
+    """
+    fp8_max = torch.finfo(fp8_dtype).max
+    amax = x.detach().abs().amax().to(torch.float32)
+    # An all-zero x would give scale 0 and 0/0 below; any positive scale encodes it exactly.
+    scale = torch.where(amax > 0, amax / fp8_max, 1.0).reshape(1)
+    x_fp8 = (x.to(torch.float32) / scale).clamp_(-fp8_max, fp8_max).to(fp8_dtype)
+    return x_fp8, scale
+
+
+def _flat_token_view(kv_cache: torch.Tensor) -> torch.Tensor | None:
+    """``[num_blocks, block_size, D]`` as the ``[num_blocks * block_size, 1, 1, D]`` view the
+    kernel pages through, or None when the blocks are not evenly strided (a copy would be
+    needed)."""
+    if kv_cache.shape[0] > 1 and kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
+        return None
+    return kv_cache.flatten(0, 1)[:, None, None, :]
 
 
 class AiterMLAImpl(MLADecodeImpl):
+    """MLA decode through ``aiter.mla.mla_decode_fwd`` (non-persistent split-KV mode)."""
+
     name = "aiter"
-    capabilities = Capabilities(platforms=(), q_dtypes=Q_DTYPES, kv_dtypes=KV_DTYPES)
+    capabilities = Capabilities(
+        platforms=("hip",),
+        q_dtypes=(torch.bfloat16,),
+        kv_dtypes=(torch.bfloat16, torch.float8_e4m3fnuz, torch.float8_e4m3fn),
+    )
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        return "not implemented yet (the AITER backend issue)"
+        build = _torch_build()
+        if build != "rocm":
+            return f"torch is not a ROCm build (this torch {torch.__version__} is a {build} build)"
+        arch = _gpu_arch()
+        if arch is None:
+            return "no AMD GPU visible to torch"
+        if arch not in SUPPORTED_ARCHS:
+            return f"arch {arch} is not {'/'.join(SUPPORTED_ARCHS)} (AITER's MLA decode kernels)"
+        try:
+            _aiter_mla()
+        except Exception as exc:  # a broken install fails in many ways; report it, all alike
+            return (
+                f"aiter not importable ({type(exc).__name__}: {exc}); install AMD's amd-aiter "
+                "or build ROCm/aiter from source (`pip install aiter` is an unrelated package)"
+            )
+        return None
+
+    @classmethod
+    def target(cls) -> str | None:
+        if cls.unavailable_reason() is not None:
+            return None
+        return f"hip {_gpu_arch()} (aiter {_aiter_version() or 'version unknown'})"
+
+    @classmethod
+    def unsupported_reasons(cls, problem: DecodeProblem) -> list[str]:
+        reasons = super().unsupported_reasons(problem)
+        if cls.unavailable_reason() is not None:
+            return reasons
+        return reasons + _shape_reasons(problem, _gpu_arch())
+
+    def _decode(self, problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel call; returns ``(out [B, S_q, H, Dv] q.dtype, lse [B, S_q, H] fp32)``."""
+        p = problem
+        batch, q_len, num_heads, head_dim = p.q.shape
+        dv, device = p.head_dim_v, p.q.device
+        total_q, heads = batch * q_len, kernel_heads(num_heads)
+        kv_view = _flat_token_view(p.kv_cache)
+        if kv_view is None:
+            raise ValueError(_layout_reason(p.kv_cache))
+        meta = build_decode_metadata(p.block_table, p.cache_seqlens, p.block_size, q_len)
+
+        if meta.kv_indices.numel() == 0:
+            # Every row is empty. AITER sizes its splits from the token count and would
+            # be asked for zero splits; the contract's answer needs no kernel.
+            return (
+                torch.zeros(batch, q_len, num_heads, dv, dtype=p.q.dtype, device=device),
+                torch.full((batch, q_len, num_heads), -math.inf, device=device),
+            )
+
+        q = p.q.reshape(total_q, num_heads, head_dim)
+        if heads != num_heads:
+            padded = torch.zeros(total_q, heads, head_dim, dtype=q.dtype, device=device)
+            padded[:, :num_heads] = q
+            q = padded
+        q_scale = kv_scale = None
+        if p.kv_cache.dtype in FP8_DTYPES:
+            q, q_scale = quantize_per_tensor(q, p.kv_cache.dtype)
+            kv_scale = torch.tensor([p.kv_scale], dtype=torch.float32, device=device)
+        q = q.contiguous()  # the kernel addresses q as dense [total_q, H, D]
+        o = torch.empty(total_q, heads, dv, dtype=p.q.dtype, device=device)
+
+        _, kernel_lse = _aiter_mla().mla_decode_fwd(
+            q,
+            kv_view,
+            o,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.kv_last_page_lens,
+            meta.max_seqlen_q,
+            page_size=1,
+            nhead_kv=1,
+            sm_scale=p.softmax_scale,
+            q_scale=q_scale,
+            kv_scale=kv_scale,
+            return_lse=True,
+        )
+
+        if kernel_lse is None:
+            raise RuntimeError(
+                "aiter: mla_decode_fwd(..., return_lse=True) returned no LSE; this AITER "
+                "release cannot serve the LSE that DCP and merge_states need; upgrade amd-aiter"
+            )
+        kernel_out = o.view(batch, q_len, heads, dv)[:, :, :num_heads]
+        kernel_lse = kernel_lse.reshape(batch, q_len, heads)[:, :, :num_heads]
+        # Rows with no visible key hold 0/0 from the kernel's split reduce.
+        empty = (visible_lengths(p) == 0)[:, :, None]  # [B, S_q, 1]
+        out = kernel_out.masked_fill(empty[..., None], 0.0).contiguous()
+        lse = kernel_lse.to(torch.float32).masked_fill(empty, -math.inf).contiguous()
+        return out, lse
+
+
+def _layout_reason(kv_cache: torch.Tensor) -> str:
+    return (
+        f"kv_cache blocks are not evenly strided (shape {tuple(kv_cache.shape)}, stride "
+        f"{kv_cache.stride()}), so it has no page-size-1 view without a copy"
+    )
+
+
+def _shape_reasons(problem: DecodeProblem, arch: str | None) -> list[str]:
+    """The limits of AITER's kernels that ``Capabilities`` cannot state as plain sets."""
+    p = problem
+    reasons = []
+    if p.num_heads > KERNEL_HEADS[-1]:
+        reasons.append(f"{p.num_heads} heads, supported: at most {KERNEL_HEADS[-1]}")
+    is_fp8 = p.kv_cache.dtype in FP8_DTYPES
+    if is_fp8 and arch in FP8_BY_ARCH and p.kv_cache.dtype != FP8_BY_ARCH[arch]:
+        reasons.append(
+            f"kv_cache dtype {p.kv_cache.dtype} on {arch}: AITER's fp8 there is {FP8_BY_ARCH[arch]}"
+        )
+    max_q_len = MAX_Q_LEN_FP8 if is_fp8 else MAX_Q_LEN_BF16
+    if p.q_len > max_q_len:
+        reasons.append(
+            f"q_len {p.q_len}, supported: up to {max_q_len} with a "
+            f"{'fp8' if is_fp8 else 'bf16'} cache"
+        )
+    if p.q_len & (p.q_len - 1):
+        reasons.append(
+            f"q_len {p.q_len} is not a power of 2 (AITER returns wrong output, aiter#2720)"
+        )
+    if (
+        arch == "gfx942"
+        and not is_fp8
+        and p.num_heads <= KERNEL_HEADS[-1]
+        and kernel_heads(p.num_heads) == 16
+        and p.q_len == 8
+    ):
+        reasons.append("bf16 with 16 kernel heads and q_len 8 on gfx942 (wrong output, aiter#5679)")
+    if not p.causal and p.q_len > 1:
+        # The backend runs AITER's default causal mask; older releases have no switch for it.
+        reasons.append("non-causal q_len > 1 (AITER's decode masks verify windows causally)")
+    if _flat_token_view(p.kv_cache) is None:
+        reasons.append(_layout_reason(p.kv_cache))
+    return reasons

@@ -1,0 +1,234 @@
+"""A reference model of the interface of AITER's ``aiter.mla.mla_decode_fwd``, in plain torch.
+
+Test-only, and not a kernel: it states, slowly and in float64, what AITER's MLA decode
+entry point takes, computes and returns, so the CPU suite can drive the aiter backend
+through it and prove the metadata, head padding, scale and LSE handling. The package never
+imports this module and never falls back to it; a machine without AITER cannot run the
+aiter backend at all.
+
+What it models (read from ROCm/aiter: ``aiter/mla.py``, ``csrc/py_itfs_cu/asm_mla.cu``,
+``op_tests/test_mla.py``, ``aiter/utility/dtypes.py``):
+
+- positional ``(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
+  max_seqlen_q)``; ``q`` ``[total_q, H, D]`` dense; ``kv_buffer`` ``[num_pages, page_size,
+  nhead_kv, D]``; ``o`` ``[total_q, H, Dv]`` written in place; int32 CSR metadata;
+- every request has ``max_seqlen_q`` queries (the kernel strides q by that many rows);
+- query ``i`` of a request with ``L`` keys sees keys ``[0, L - max_seqlen_q + i]``
+  (``causal=True``, the only mode of older releases);
+- ``sm_scale`` defaults to ``D ** -0.5``; fp8 q needs fp8 KV and both ``q_scale`` and
+  ``kv_scale`` (``[1]`` fp32 tensors); fp16 q and fp8 q over bf16 KV are rejected;
+- kernels exist for 16 or 128 query heads (other counts fail the kernel lookup);
+- split-KV: each request's keys are cut into ``num_kv_splits`` chunks, each chunk gives a
+  normalized partial output and a natural-log LSE, and the stage-2 reduce merges them with
+  a running max. A request with no keys has no valid split and ends as ``0/0`` (NaN out,
+  -inf LSE); a row whose keys are all masked ends as NaN;
+- returns ``(logits, final_lse)``: ``logits`` is the fp32 split scratch ``[total_q, splits,
+  H, Dv]`` (not the output, which is in ``o``), ``final_lse`` ``[total_q, H]`` fp32 when
+  ``return_lse`` else None.
+
+Deliberate differences, each to make the tests stricter or exact:
+
+- every argument after ``max_seqlen_q`` is keyword-only (AITER accepts positions, but they
+  moved between releases, so the backend must never rely on them);
+- float32 q / KV / o (and a float32 o with fp8 q) are accepted so that the tests can
+  compare at fp32 precision;
+- only page size 1 and the non-persistent mode are modeled; persistent buffers, context
+  parallel arguments, ``logit_cap`` and ``return_logits`` raise NotImplementedError;
+- ``num_kv_splits`` defaults to a fixed 3 instead of AITER's occupancy heuristic, so the
+  split merge is always exercised.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+KERNEL_HEADS = (16, 128)
+MODEL_SPLITS = 3
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"mla_decode_fwd (interface model): {message}")
+
+
+def _check_int32(name: str, t: torch.Tensor, device: torch.device) -> None:
+    _require(
+        isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1,
+        f"{name} must be a 1-D int32 tensor, got {getattr(t, 'dtype', type(t))}",
+    )
+    _require(t.device == device, f"{name} must be on q's device {device}, got {t.device}")
+
+
+def _check_dtypes(q, kv_buffer, o, q_scale, kv_scale) -> None:
+    if q.dtype in FP8:
+        _require(kv_buffer.dtype == q.dtype, "fp8 q needs an fp8 kv_buffer of the same type")
+        for name, scale in (("q_scale", q_scale), ("kv_scale", kv_scale)):
+            _require(
+                isinstance(scale, torch.Tensor)
+                and scale.dtype == torch.float32
+                and scale.numel() == 1,
+                f"fp8 q requires {name} as a [1] float32 tensor, got {scale!r}",
+            )
+    elif q.dtype == torch.bfloat16:
+        _require(
+            kv_buffer.dtype == torch.bfloat16,
+            f"bf16 q runs over a bf16 kv_buffer only here, got {kv_buffer.dtype}",
+        )
+    elif q.dtype == torch.float32:
+        _require(kv_buffer.dtype == torch.float32, "float32 q (test precision) needs float32 kv")
+    else:
+        raise ValueError(f"mla_decode_fwd (interface model): unsupported Q dtype {q.dtype}")
+    # AITER writes bf16/fp16 only (its reduce rejects fp8 output); float32 is the test
+    # precision extension.
+    allowed_o = (torch.bfloat16, torch.float16, torch.float32)
+    _require(o.dtype in allowed_o, f"o must be one of {allowed_o}, got {o.dtype}")
+
+
+def mla_decode_fwd(
+    q,
+    kv_buffer,
+    o,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_lens,
+    max_seqlen_q,
+    *,
+    page_size=1,
+    nhead_kv=1,
+    sm_scale=None,
+    logit_cap=0.0,
+    num_kv_splits=None,
+    num_kv_splits_indptr=None,
+    work_meta_data=None,
+    work_indptr=None,
+    work_info_set=None,
+    reduce_indptr=None,
+    reduce_final_map=None,
+    reduce_partial_map=None,
+    q_scale=None,
+    kv_scale=None,
+    intra_batch_mode=False,
+    return_logits=False,
+    return_lse=False,
+    g_kv_indptr=None,
+    cp_world_size=1,
+    cp_rank=0,
+    causal=True,
+):
+    """The modeled ``aiter.mla.mla_decode_fwd``; see the module docstring."""
+    unmodeled = {
+        "work_meta_data": work_meta_data,
+        "work_indptr": work_indptr,
+        "work_info_set": work_info_set,
+        "reduce_indptr": reduce_indptr,
+        "reduce_final_map": reduce_final_map,
+        "reduce_partial_map": reduce_partial_map,
+        "num_kv_splits_indptr": num_kv_splits_indptr,
+        "g_kv_indptr": g_kv_indptr,
+    }
+    for name, value in unmodeled.items():
+        if value is not None:
+            raise NotImplementedError(f"the interface model does not cover {name}")
+    if logit_cap > 0 or return_logits or intra_batch_mode or cp_world_size != 1 or cp_rank:
+        raise NotImplementedError(
+            "the interface model covers logit_cap=0, return_logits=False, "
+            "intra_batch_mode=False, no context parallelism"
+        )
+
+    _require(q.dim() == 3 and q.is_contiguous(), f"q must be dense [total_q, H, D], got {q.shape}")
+    total_q, heads, head_dim = q.shape
+    device = q.device
+    _require(page_size == 1, f"the model covers page_size 1, got {page_size}")
+    _require(nhead_kv == 1, f"only nhead_kv 1 is supported, got {nhead_kv}")
+    _require(
+        kv_buffer.dim() == 4 and tuple(kv_buffer.shape[1:]) == (page_size, nhead_kv, head_dim),
+        f"kv_buffer must be [num_pages, {page_size}, {nhead_kv}, {head_dim}], "
+        f"got {tuple(kv_buffer.shape)}",
+    )
+    _require(
+        o.dim() == 3 and o.shape[:2] == (total_q, heads) and o.shape[2] < head_dim,
+        f"o must be [{total_q}, {heads}, Dv < {head_dim}], got {tuple(o.shape)}",
+    )
+    _check_dtypes(q, kv_buffer, o, q_scale, kv_scale)
+    _require(heads in KERNEL_HEADS, f"no kernel for {heads} heads (kernels: {KERNEL_HEADS})")
+    for name, t in (
+        ("qo_indptr", qo_indptr),
+        ("kv_indptr", kv_indptr),
+        ("kv_indices", kv_indices),
+        ("kv_last_page_lens", kv_last_page_lens),
+    ):
+        _check_int32(name, t, device)
+    _require(
+        isinstance(max_seqlen_q, int) and max_seqlen_q >= 1,
+        f"max_seqlen_q must be an int >= 1, got {max_seqlen_q!r}",
+    )
+    batch = qo_indptr.shape[0] - 1
+    _require(
+        kv_indptr.shape[0] == batch + 1 and kv_last_page_lens.shape[0] == batch,
+        "qo_indptr, kv_indptr ([B + 1]) and kv_last_page_lens ([B]) disagree on B",
+    )
+    _require(
+        torch.equal(qo_indptr.cpu(), torch.arange(batch + 1, dtype=torch.int32) * max_seqlen_q)
+        and total_q == batch * max_seqlen_q,
+        "every request must have max_seqlen_q queries (q is strided by that many rows)",
+    )
+    _require(bool((kv_last_page_lens == 1).all()), "kv_last_page_lens must be 1 at page_size 1")
+    _require(
+        int(kv_indptr[0]) == 0 and int(kv_indptr[-1]) == kv_indices.shape[0],
+        "kv_indptr must run from 0 to len(kv_indices)",
+    )
+    if kv_indices.numel():
+        _require(
+            int(kv_indices.min()) >= 0 and int(kv_indices.max()) < kv_buffer.shape[0],
+            f"kv_indices must lie in [0, {kv_buffer.shape[0]})",
+        )
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    _require(isinstance(sm_scale, float), f"sm_scale must be a float, got {sm_scale!r}")
+
+    dv = o.shape[2]
+    splits = MODEL_SPLITS if num_kv_splits is None else int(num_kv_splits)
+    q_deq = q.to(torch.float64) * (1.0 if q_scale is None else float(q_scale))
+    kv_deq = kv_buffer[:, 0, 0].to(torch.float64) * (1.0 if kv_scale is None else float(kv_scale))
+
+    logits = torch.zeros(total_q, splits, heads, dv, dtype=torch.float32, device=device)
+    split_lse = torch.full((total_q, splits, heads), -math.inf, dtype=torch.float64, device=device)
+    final = torch.empty(total_q, heads, dv, dtype=torch.float64, device=device)
+    final_lse = torch.empty(total_q, heads, dtype=torch.float64, device=device)
+    for b in range(batch):
+        start, end = int(kv_indptr[b]), int(kv_indptr[b + 1])
+        keys = kv_deq[kv_indices[start:end].long()]  # [L, D]
+        length = end - start
+        chunk = max(1, -(-length // splits))
+        valid_splits = -(-length // chunk)
+        for i in range(max_seqlen_q):
+            row = b * max_seqlen_q + i
+            visible = length - max_seqlen_q + 1 + i if causal else length
+            scores = (q_deq[row] @ keys.T) * sm_scale  # [H, L]
+            scores[:, max(visible, 0) :] = -math.inf
+            # Stage 1: one normalized partial and its LSE per split of the keys.
+            for s in range(valid_splits):
+                part = scores[:, s * chunk : (s + 1) * chunk]
+                lse = torch.logsumexp(part, dim=-1)  # [H]
+                weights = torch.exp(part - lse[:, None]).nan_to_num(0.0)
+                logits[row, s] = (weights @ keys[s * chunk : (s + 1) * chunk, :dv]).float()
+                split_lse[row, s] = lse
+            # Stage 2: AITER's running-max merge over the valid splits, 0/0 included.
+            e_max = torch.full((heads,), -math.inf, dtype=torch.float64, device=device)
+            e_sum = torch.zeros(heads, dtype=torch.float64, device=device)
+            acc = torch.zeros(heads, dv, dtype=torch.float64, device=device)
+            for s in range(valid_splits):
+                new_max = torch.maximum(e_max, split_lse[row, s])
+                old_scale = torch.exp(e_max - new_max)
+                weight = torch.exp(split_lse[row, s] - new_max)
+                acc = acc * old_scale[:, None] + weight[:, None] * logits[row, s].double()
+                e_sum = e_sum * old_scale + weight
+                e_max = new_max
+            final[row] = acc / e_sum[:, None]
+            final_lse[row] = e_max + torch.log(e_sum)
+    o.copy_(final.to(o.dtype))
+    return logits, (final_lse.float() if return_lse else None)
