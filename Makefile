@@ -2,7 +2,7 @@
 #
 #   make demo        decode demo over a random paged latent cache
 #   make test        lint + the pytest suite (CPU; GPU tests skip with their reason)
-#   make lint        ruff check + ruff format --check
+#   make lint        ruff + hadolint (Dockerfile) + shellcheck (*.sh) + actionlint (workflows)
 #   make bench       CPU decode benchmark (JSON + PNG under benchmarks/results/)
 #
 # TORCH is the torch spec installed into a *new* venv. Where the system python already has
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 		test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV); \
 		$(PY) -m pip install --quiet --upgrade pip; \
 		$(PY) -m pip install --quiet --no-deps -e .; \
-		$(PY) -m pip install --quiet numpy safetensors "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "transformers>=5.0"; \
+		$(PY) -m pip install --quiet numpy safetensors "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "transformers>=5.0" "pyyaml>=6"; \
 	else \
 		test -x $(PY) || $(PYTHON) -m venv $(VENV); \
 		$(PY) -m pip install --quiet --upgrade pip; \
@@ -39,6 +39,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	VENV=$(VENV) bash scripts/lint-extra.sh
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
