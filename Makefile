@@ -16,7 +16,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rocm-mla-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench format clean
+.PHONY: demo test test-vllm lint bench format clean
 
 $(STAMP): pyproject.toml
 	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if (torch.version.hip or torch.version.cuda) else 1)" 2>/dev/null; then \
@@ -43,6 +43,15 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The `vllm` tests against the real vLLM, in a venv of its own (vLLM pins its own torch),
+# cached outside the clone by version; scripts/vllm_env.sh builds it and installs this package.
+VLLM_VERSION ?= 0.33.0
+VLLM_VENV ?= $${XDG_CACHE_HOME:-$$HOME/.cache}/rocm-mla/vllm-$(VLLM_VERSION)-venv
+
+test-vllm:
+	@venv="$$(VLLM_VERSION=$(VLLM_VERSION) VLLM_VENV="$(VLLM_VENV)" PYTHON=$(PYTHON) bash scripts/vllm_env.sh)" && \
+	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$$venv/bin/python" -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) $(wildcard tests/test_vllm*.py)
 
 bench: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib

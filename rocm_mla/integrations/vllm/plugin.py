@@ -1,0 +1,83 @@
+"""vLLM general plugin: puts rocm_mla's MLA decode under vLLM's attention registry.
+
+vLLM runs every ``vllm.general_plugins`` entry point in every process it starts (API server,
+engine core, workers), so :func:`register` is re-entrant: it only writes the same registry
+overrides again. Nothing here imports vLLM, torch or aiter until vLLM calls it.
+
+Environment:
+    ``ROCM_MLA_DISABLE=1``: register nothing (vLLM runs exactly as without this package).
+    ``ROCM_MLA_BACKEND=auto|aiter|triton|torch``: when set, also take over the MLA members
+    vLLM's ROCm platform auto-selects (``ROCM_AITER_MLA``, ``TRITON_MLA``), so an unchanged
+    ``vllm serve`` command decodes with this package (the drop-in switch). Unset, only
+    ``--attention-backend CUSTOM`` selects it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+BACKEND_PATH = "rocm_mla.integrations.vllm.backend.RocmMLABackend"
+DISABLE_ENV = "ROCM_MLA_DISABLE"
+BACKEND_ENV = "ROCM_MLA_BACKEND"
+#: The third-party slot, selected with ``--attention-backend CUSTOM``.
+CUSTOM_MEMBER = "CUSTOM"
+#: What vLLM 0.33's ROCm platform tries for dense MLA (``_get_backend_priorities``:
+#: ROCM_AITER_MLA when AITER MLA is enabled, then TRITON_MLA). CUSTOM and new enum members
+#: are never auto-selected, so overriding these is the only drop-in route.
+DROP_IN_MEMBERS = ("ROCM_AITER_MLA", "TRITON_MLA")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+# Under "vllm." so the line goes through vLLM's own handler and log level; a logger of our
+# own would have no handler in a vLLM process and INFO would be dropped.
+logger = logging.getLogger("vllm.plugins.rocm_mla")
+
+
+def _disabled() -> bool:
+    value = os.environ.get(DISABLE_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(
+        f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r} is not a boolean; use 1 to disable the "
+        "rocm-mla vLLM plugin or 0 / unset to enable it"
+    )
+
+
+def register() -> list[str]:
+    """Register the rocm-mla MLA backend with vLLM; returns the enum members it now backs.
+
+    Always ``CUSTOM``; plus ``ROCM_AITER_MLA`` and ``TRITON_MLA`` when ``ROCM_MLA_BACKEND``
+    is non-empty; nothing when ``ROCM_MLA_DISABLE`` is set. Calling it again changes nothing.
+
+    Raises:
+        ValueError: ``ROCM_MLA_BACKEND`` names no backend, or ``ROCM_MLA_DISABLE`` is not a
+            boolean. Failing here, at start-up, beats serving with a backend nobody chose.
+    """
+    if _disabled():
+        logger.info("rocm-mla: %s is set, registering no vLLM attention backend", DISABLE_ENV)
+        return []
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    members = [CUSTOM_MEMBER]
+    requested = os.environ.get(BACKEND_ENV, "").strip()
+    if requested:
+        from rocm_mla.backends import requested_backend
+
+        requested = requested_backend()
+        members += DROP_IN_MEMBERS
+    for name in members:
+        register_backend(AttentionBackendEnum[name], BACKEND_PATH)
+    logger.info(
+        "rocm-mla: vLLM attention backend%s %s -> %s (%s=%s)",
+        "s" if len(members) > 1 else "",
+        ", ".join(members),
+        BACKEND_PATH,
+        BACKEND_ENV,
+        requested or "unset: select it with --attention-backend CUSTOM",
+    )
+    return members
