@@ -1,4 +1,4 @@
-"""``rocm-mla``: info | demo | bench."""
+"""``rocm-mla``: info | demo | make-tiny | bench."""
 
 from __future__ import annotations
 
@@ -148,6 +148,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from rocm_mla.models.kimi_k3 import make_tiny
+
+    print(make_tiny(args.arch, args.out, seed=args.seed))
+    return 0
+
+
 BENCHMARKS = {
     "cpu": "benchmarks.cpu_decode",
     "kernel": "benchmarks.kernel_roofline",
@@ -186,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=5)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "make-tiny", help="write a random tiny Kimi checkpoint (config + safetensors)"
+    )
+    p.add_argument("--arch", choices=["kimi_k3", "kimi_linear"], required=True)
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny)
 
     p = sub.add_parser("bench", help="run a benchmark (JSON + PNG under benchmarks/results)")
     p.add_argument("which", choices=sorted(BENCHMARKS))

@@ -1,0 +1,445 @@
+"""Text-model configuration for Kimi-K3 and Kimi-Linear, parsed from a checkpoint's config.json.
+
+Kimi-K3 checkpoints (``model_type: kimi_k3``) keep the text model under ``text_config``;
+Kimi-Linear checkpoints (``model_type: kimi_linear``) are flat. Both are read into one
+``KimiK3Config``; the names transformers writes when it re-saves a checkpoint are accepted as
+aliases of the released names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("kimi_k3", "kimi_linear")
+ATTENTION_TYPES = ("full_attention", "linear_attention")
+MLP_TYPES = ("dense", "sparse")
+HIDDEN_ACTS = ("silu", "situ")
+
+# released name -> names transformers may write instead (same meaning).
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_experts": ("num_local_experts",),
+    "num_experts_per_token": ("num_experts_per_tok",),
+    "num_shared_experts": ("n_shared_experts",),
+    "moe_renormalize": ("norm_topk_prob",),
+    "max_position_embeddings": ("model_max_length",),
+    "num_expert_group": ("n_group",),
+}
+
+
+@dataclass
+class KimiK3Config:
+    """One text model: layer pattern, MLA, KDA, MoE and Attention Residuals settings.
+
+    ``layer_types[i]`` / ``mlp_layer_types[i]`` are per 0-based layer. ``q_lora_rank=None``
+    means a plain ``q_proj``; ``routed_expert_hidden_size=None`` means experts in hidden space;
+    ``attn_res_block_size=None`` means the ordinary residual add; ``kda_gate_lower_bound=None``
+    selects the Kimi-Linear decay ``-exp(A_log) * softplus(u)``.
+    """
+
+    arch: str = "kimi_k3"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_hidden_layers: int = 9
+    intermediate_size: int = 128
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "situ"
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float = 25.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    # MLA
+    num_attention_heads: int = 4
+    q_lora_rank: int | None = 32
+    kv_lora_rank: int = 16
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = True
+    rope_theta: float = 10000.0
+    # q_a / kv_a latent RMSNorm eps: transformers' Kimi-Linear uses its RMSNorm default 1e-6
+    # there (vLLM uses rms_norm_eps); parity with transformers decides.
+    latent_norm_eps: float = 1e-6
+    # KDA
+    kda_num_heads: int = 4
+    kda_head_dim: int = 16
+    kda_conv_size: int = 4
+    kda_full_rank_gate: bool = True
+    kda_gate_lower_bound: float | None = -5.0
+    # MoE
+    num_experts: int = 8
+    num_experts_per_token: int = 2
+    num_shared_experts: int = 2
+    moe_intermediate_size: int = 32
+    routed_expert_hidden_size: int | None = 32
+    latent_moe_use_norm: bool = True
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    use_grouped_topk: bool = True
+    num_expert_group: int = 1
+    topk_group: int = 1
+    # Attention Residuals
+    attn_res_block_size: int | None = 3
+    num_nextn_predict_layers: int = 0
+    layer_types: list[str] = field(default_factory=list)
+    mlp_layer_types: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = _default_layer_types(self.num_hidden_layers)
+        if not self.mlp_layer_types:
+            self.mlp_layer_types = ["dense"] + ["sparse"] * (self.num_hidden_layers - 1)
+        self.validate()
+
+    # ---------------------------------------------------------------- derived sizes
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA query/key width per head, ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """One latent cache row: ``kv_lora_rank + qk_rope_head_dim`` (576 for K3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """MLA softmax scale ``(nope + rope) ** -0.5``."""
+        return self.qk_head_dim**-0.5
+
+    def is_mla(self, layer: int) -> bool:
+        """Whether 0-based ``layer`` is an MLA (full attention) layer, else KDA."""
+        return self.layer_types[layer] == "full_attention"
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether 0-based ``layer`` has a MoE block, else a dense MLP."""
+        return self.mlp_layer_types[layer] == "sparse"
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first inconsistent field."""
+        n = self.num_hidden_layers
+        _check(self.arch in ARCHS, "arch", f"one of {ARCHS}", self.arch)
+        _check(
+            self.hidden_act in HIDDEN_ACTS, "hidden_act", f"one of {HIDDEN_ACTS}", self.hidden_act
+        )
+        for name in ("layer_types", "mlp_layer_types"):
+            value = getattr(self, name)
+            _check(len(value) == n, name, f"{n} entries (num_hidden_layers)", len(value))
+        bad = [t for t in self.layer_types if t not in ATTENTION_TYPES]
+        _check(not bad, "layer_types", f"entries in {ATTENTION_TYPES}", bad)
+        bad = [t for t in self.mlp_layer_types if t not in MLP_TYPES]
+        _check(not bad, "mlp_layer_types", f"entries in {MLP_TYPES}", bad)
+        _check(
+            self.num_experts_per_token <= self.num_experts,
+            "num_experts_per_token",
+            f"<= num_experts ({self.num_experts})",
+            self.num_experts_per_token,
+        )
+        _check(
+            self.num_experts % self.num_expert_group == 0,
+            "num_expert_group",
+            f"a divisor of num_experts ({self.num_experts})",
+            self.num_expert_group,
+        )
+        _check(
+            1 <= self.topk_group <= self.num_expert_group,
+            "topk_group",
+            f"in [1, num_expert_group={self.num_expert_group}]",
+            self.topk_group,
+        )
+        if self.attn_res_block_size is not None:
+            _check(
+                self.attn_res_block_size >= 1,
+                "attn_res_block_size",
+                ">= 1",
+                self.attn_res_block_size,
+            )
+        if self.kda_gate_lower_bound is not None:
+            _check(
+                self.kda_gate_lower_bound < 0, "gate_lower_bound", "< 0", self.kda_gate_lower_bound
+            )
+        if not self.mla_use_nope:
+            _check(
+                self.qk_rope_head_dim % 2 == 0,
+                "qk_rope_head_dim",
+                "even for RoPE",
+                self.qk_rope_head_dim,
+            )
+
+    def check_tp(self, tp_size: int) -> None:
+        """Raise ``ValueError`` when a sharded dimension is not divisible by ``tp_size``."""
+        dims = {
+            "num_attention_heads": self.num_attention_heads,
+            "linear_attn_config.num_heads": self.kda_num_heads,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+        }
+        for name, value in dims.items():
+            _check(value % tp_size == 0, name, f"a multiple of tp_size={tp_size}", value)
+
+    # ---------------------------------------------------------------- presets
+    @classmethod
+    def tiny(cls, arch: str = "kimi_k3") -> KimiK3Config:
+        """Tiny config keeping every mechanism (reference notes section 10); tests use it."""
+        if arch == "kimi_k3":
+            types = ["linear_attention"] * 9
+            for i in (3, 7, 8):  # 1-based [4, 8, 9]: K3's double-MLA tail
+                types[i] = "full_attention"
+            return cls(layer_types=types)
+        if arch == "kimi_linear":
+            types = ["linear_attention"] * 4
+            types[3] = "full_attention"
+            return cls(
+                arch="kimi_linear",
+                num_hidden_layers=4,
+                hidden_act="silu",
+                q_lora_rank=None,
+                mla_use_output_gate=False,
+                kda_full_rank_gate=False,
+                kda_gate_lower_bound=None,
+                num_shared_experts=1,
+                routed_expert_hidden_size=None,
+                routed_scaling_factor=2.446,
+                attn_res_block_size=None,
+                layer_types=types,
+            )
+        raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
+
+    @classmethod
+    def small(cls) -> KimiK3Config:
+        """Kimi-Linear benchmark config: hidden 1024, 8 layers, MLA at 1-based 4 and 8."""
+        types = ["linear_attention"] * 8
+        types[3] = types[7] = "full_attention"
+        return cls(
+            arch="kimi_linear",
+            vocab_size=32000,
+            hidden_size=1024,
+            num_hidden_layers=8,
+            intermediate_size=4096,
+            hidden_act="silu",
+            num_attention_heads=8,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            mla_use_output_gate=False,
+            kda_num_heads=8,
+            kda_head_dim=128,
+            kda_full_rank_gate=False,
+            kda_gate_lower_bound=None,
+            num_experts=16,
+            num_experts_per_token=2,
+            num_shared_experts=1,
+            moe_intermediate_size=512,
+            routed_expert_hidden_size=None,
+            routed_scaling_factor=2.446,
+            attn_res_block_size=None,
+            layer_types=types,
+        )
+
+    # ---------------------------------------------------------------- parsing
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> KimiK3Config:
+        """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json at {file}")
+        return cls.from_dict(json.loads(file.read_text()))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> KimiK3Config:
+        """Parse a config.json dict (K3 nested or Kimi-Linear flat). ValueError names the field."""
+        model_type = raw.get("model_type")
+        if model_type == "kimi_k3":
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError("text_config: a kimi_k3 config.json needs a text_config dict")
+            arch = "kimi_k3"
+        elif model_type == "kimi_linear":
+            text, arch = raw, "kimi_linear"
+        else:
+            raise ValueError(f"model_type: expected 'kimi_k3' or 'kimi_linear', got {model_type!r}")
+        text = _resolve_aliases(text)
+        kwargs: dict[str, Any] = {"arch": arch}
+        plain = {f.name for f in dataclasses.fields(cls)} - {
+            "arch",
+            "layer_types",
+            "mlp_layer_types",
+            "kda_num_heads",
+            "kda_head_dim",
+            "kda_conv_size",
+            "kda_full_rank_gate",
+            "kda_gate_lower_bound",
+        }
+        for name in plain:
+            if name in text:
+                kwargs[name] = text[name]
+        for name in ("num_attention_heads", "num_hidden_layers", "hidden_size", "vocab_size"):
+            if name not in text:
+                raise ValueError(f"{name}: missing from config.json")
+        n = int(text["num_hidden_layers"])
+        # A K3 config without these keys means the released K3 defaults; Kimi-Linear never
+        # has a gate, latent MoE or AttnRes.
+        kwargs.setdefault("mla_use_output_gate", False)
+        kwargs.setdefault("routed_expert_hidden_size", None)
+        kwargs.setdefault("attn_res_block_size", None)
+        kwargs.setdefault("q_lora_rank", None)
+        kwargs.setdefault("hidden_act", "silu")
+        kwargs.setdefault("mla_use_nope", True)
+        kwargs.setdefault("latent_moe_use_norm", False)
+        if text.get("num_key_value_heads") not in (None, text["num_attention_heads"]):
+            raise ValueError(
+                f"num_key_value_heads: MLA needs it equal to num_attention_heads "
+                f"({text['num_attention_heads']}), got {text['num_key_value_heads']}"
+            )
+        act = text.get("moe_router_activation_func", "sigmoid")
+        _check(act == "sigmoid", "moe_router_activation_func", "'sigmoid'", act)
+        method = text.get("topk_method", "noaux_tc")
+        _check(method == "noaux_tc", "topk_method", "'noaux_tc'", method)
+        kwargs.update(_parse_linear_attn(text, n))
+        kwargs["layer_types"] = _parse_layer_types(text, n)
+        kwargs["mlp_layer_types"] = _parse_mlp_types(text, n)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The released flat text-config form (1-based layer lists in ``linear_attn_config``)."""
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if not f.name.startswith("kda_") and f.name not in ("arch", "layer_types")
+        }
+        out.pop("mlp_layer_types")
+        out.pop("latent_norm_eps")
+        first_dense = sum(1 for t in self.mlp_layer_types if t == "dense")
+        prefix = ["dense"] * first_dense + ["sparse"] * (self.num_hidden_layers - first_dense)
+        if self.mlp_layer_types == prefix:
+            out.update(first_k_dense_replace=first_dense, moe_layer_freq=1)
+        else:
+            out["mlp_layer_types"] = list(self.mlp_layer_types)
+        out.update(
+            model_type="kimi_linear",
+            num_key_value_heads=self.num_attention_heads,
+            moe_router_activation_func="sigmoid",
+            linear_attn_config={
+                "num_heads": self.kda_num_heads,
+                "head_dim": self.kda_head_dim,
+                "short_conv_kernel_size": self.kda_conv_size,
+                "use_full_rank_gate": self.kda_full_rank_gate,
+                "gate_lower_bound": self.kda_gate_lower_bound,
+                "full_attn_layers": [
+                    i + 1 for i in range(self.num_hidden_layers) if self.is_mla(i)
+                ],
+                "kda_layers": [i + 1 for i in range(self.num_hidden_layers) if not self.is_mla(i)],
+            },
+        )
+        return out
+
+
+def _check(ok: bool, name: str, expected: str, got: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name}: expected {expected}, got {got!r}")
+
+
+def _default_layer_types(n: int) -> list[str]:
+    # transformers' Kimi-Linear default: every 4th layer (0-based, not layer 0) is MLA.
+    return ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+
+
+def _resolve_aliases(text: dict[str, Any]) -> dict[str, Any]:
+    text = dict(text)
+    for name, aliases in _ALIASES.items():
+        for alias in aliases:
+            if alias not in text:
+                continue
+            if name in text and text[name] != text[alias]:
+                raise ValueError(
+                    f"{name}: contradicts its alias {alias} ({text[name]!r} vs {text[alias]!r})"
+                )
+            text[name] = text.pop(alias)
+    return text
+
+
+def _parse_linear_attn(text: dict[str, Any], n: int) -> dict[str, Any]:
+    lac = text.get("linear_attn_config") or {}
+    out: dict[str, Any] = {
+        "kda_num_heads": lac.get("num_heads", text.get("linear_num_heads", 32)),
+        "kda_head_dim": lac.get("head_dim", text.get("linear_head_dim", 128)),
+        "kda_conv_size": lac.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4)),
+        "kda_full_rank_gate": bool(lac.get("use_full_rank_gate", False)),
+        "kda_gate_lower_bound": lac.get("gate_lower_bound"),
+    }
+    for key, top in (
+        ("num_heads", "linear_num_heads"),
+        ("head_dim", "linear_head_dim"),
+        ("short_conv_kernel_size", "linear_conv_kernel_dim"),
+    ):
+        if key in lac and top in text and lac[key] != text[top]:
+            raise ValueError(
+                f"linear_attn_config.{key}: contradicts {top} ({lac[key]!r} vs {text[top]!r})"
+            )
+    return out
+
+
+def _parse_layer_types(text: dict[str, Any], n: int) -> list[str]:
+    lac = text.get("linear_attn_config") or {}
+    from_lists = None
+    if "full_attn_layers" in lac or "kda_layers" in lac:
+        full = list(lac.get("full_attn_layers", []))
+        kda = list(lac.get("kda_layers", []))
+        for name, values in (("full_attn_layers", full), ("kda_layers", kda)):
+            bad = [v for v in values if not (isinstance(v, int) and 1 <= v <= n)]
+            _check(not bad, f"linear_attn_config.{name}", f"1-based layer numbers in [1, {n}]", bad)
+        both = sorted(set(full) & set(kda))
+        _check(not both, "linear_attn_config.kda_layers", "no layer also in full_attn_layers", both)
+        missing = sorted(set(range(1, n + 1)) - set(full) - set(kda))
+        if "full_attn_layers" in lac and "kda_layers" in lac:
+            _check(
+                not missing,
+                "linear_attn_config.kda_layers",
+                "every layer in full_attn_layers or kda_layers",
+                f"layers {missing} in neither",
+            )
+        elif "kda_layers" in lac:
+            full = missing  # only the KDA list given: every other layer is MLA
+        from_lists = ["full_attention" if i + 1 in full else "linear_attention" for i in range(n)]
+    given = text.get("layer_types")
+    if given is not None:
+        if from_lists is not None and list(given) != from_lists:
+            raise ValueError(
+                "layer_types: contradicts linear_attn_config.full_attn_layers/kda_layers "
+                f"({list(given)} vs {from_lists})"
+            )
+        return list(given)
+    return from_lists if from_lists is not None else _default_layer_types(n)
+
+
+def _parse_mlp_types(text: dict[str, Any], n: int) -> list[str]:
+    freq = text.get("moe_layer_freq", 1)
+    _check(isinstance(freq, int) and freq >= 1, "moe_layer_freq", "an int >= 1", freq)
+    first = text.get("first_k_dense_replace")
+    derived = None
+    if first is not None:
+        _check(
+            isinstance(first, int) and 0 <= first <= n,
+            "first_k_dense_replace",
+            f"in [0, {n}]",
+            first,
+        )
+        derived = ["sparse" if i >= first and i % freq == 0 else "dense" for i in range(n)]
+    given = text.get("mlp_layer_types")
+    if given is not None:
+        if derived is not None and list(given) != derived:
+            raise ValueError(
+                "mlp_layer_types: contradicts first_k_dense_replace/moe_layer_freq "
+                f"({list(given)} vs {derived})"
+            )
+        return list(given)
+    if derived is not None:
+        return derived
+    return ["dense"] + ["sparse"] * (n - 1)

@@ -1,0 +1,83 @@
+"""What one forward step needs to know about its requests and their paged caches.
+
+The engine fills it; the model only reads it. Tokens of the ``B`` requests are packed
+request-major into ``T`` rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardMetadata:
+    """Per-step batch layout.
+
+    Attributes:
+        positions: ``[T]`` int64, each new token's position in its sequence.
+        query_start_loc: ``[B + 1]`` int32, request ``b``'s new tokens are rows
+            ``[query_start_loc[b], query_start_loc[b + 1])``.
+        seq_lens: ``[B]`` int32, tokens per request after this step (context + new).
+        slot_mapping: ``[T]`` int64, flat latent-cache slot ``block * block_size + offset`` of
+            each new token (the same for every MLA layer of a stage).
+        block_tables: ``[B, max_blocks]`` int32, the request's cache blocks in order.
+        state_slots: ``[B]`` int64, each request's row in the KDA conv/recurrent state caches.
+    """
+
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    state_slots: torch.Tensor
+
+    @property
+    def num_new(self) -> list[int]:
+        """New tokens per request."""
+        return self.query_start_loc.diff().tolist()
+
+    @property
+    def context_lens(self) -> list[int]:
+        """Tokens each request had in its caches before this step."""
+        return [s - n for s, n in zip(self.seq_lens.tolist(), self.num_new, strict=True)]
+
+    @classmethod
+    def contiguous(
+        cls,
+        context_lens: list[int],
+        num_new: list[int],
+        block_size: int,
+        max_blocks: int,
+        device: torch.device | str = "cpu",
+    ) -> ForwardMetadata:
+        """Layout for tests and single-process use: request ``b`` owns cache blocks
+        ``[b * max_blocks, (b + 1) * max_blocks)`` and KDA state slot ``b``."""
+        positions, slots = [], []
+        for b, (ctx, n) in enumerate(zip(context_lens, num_new, strict=True)):
+            if ctx + n > max_blocks * block_size:
+                raise ValueError(
+                    f"max_blocks: request {b} needs {ctx + n} tokens, more than "
+                    f"max_blocks * block_size = {max_blocks * block_size}"
+                )
+            for pos in range(ctx, ctx + n):
+                positions.append(pos)
+                slots.append((b * max_blocks + pos // block_size) * block_size + pos % block_size)
+        starts = [0]
+        for n in num_new:
+            starts.append(starts[-1] + n)
+        batch = len(num_new)
+        table = torch.arange(batch * max_blocks, dtype=torch.int32).view(batch, max_blocks)
+        return cls(
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(
+                [c + n for c, n in zip(context_lens, num_new, strict=True)],
+                dtype=torch.int32,
+                device=device,
+            ),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=table.to(device),
+            state_slots=torch.arange(batch, dtype=torch.int64, device=device),
+        )

@@ -1,0 +1,178 @@
+"""Multi-head latent attention (MLA), gated and NoPE for Kimi-K3, RoPE for DeepSeek-style configs.
+
+Each token caches one latent row ``[c (kv_lora_rank) | k_pe (rope dim)]``. A fresh prefill
+runs the MHA form (decompress K/V with ``kv_b_proj``, causal attention); anything that attends
+to cached tokens (decode, chunked prefill) runs the absorbed form through
+``rocm_mla.mla_decode``: ``q_nope`` is folded into latent space with ``W_UK`` and the latent
+output is expanded with ``W_UV``, both precomputed once by ``absorb_weights()``.
+Tensor parallelism shards heads (q, kv_b, g rows; o_proj columns); the latent projections
+are replicated.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rocm_mla.api import mla_decode
+from rocm_mla.models.kimi_k3.config import KimiK3Config
+from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
+from rocm_mla.models.kimi_k3.ops import AllReduce, RMSNorm, apply_rope, identity_reduce
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """One MLA layer on this TP rank's ``H / tp_size`` heads (checkpoint ``self_attn.*``)."""
+
+    def __init__(
+        self,
+        config: KimiK3Config,
+        tp_size: int = 1,
+        all_reduce: AllReduce | None = None,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.num_heads = h = config.num_attention_heads // tp_size
+        self.nope, self.rope, self.dv = (
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+            config.v_head_dim,
+        )
+        self.kv_lora_rank = config.kv_lora_rank
+        qk = self.nope + self.rope
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, h * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.latent_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.latent_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.dv), bias=False)
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(d, h * self.dv, bias=False)
+        self.o_proj = nn.Linear(h * self.dv, d, bias=False)
+        self.use_gate = config.mla_use_output_gate
+        self.use_rope = not config.mla_use_nope
+        self.rope_theta = config.rope_theta
+        self.scale = config.softmax_scale
+        self.backend = backend
+        self.all_reduce = all_reduce or identity_reduce
+        self.w_uk_t: torch.Tensor | None = None
+        self.w_uv: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def absorb_weights(self) -> None:
+        """Split ``kv_b_proj`` into ``W_UK^T [H, nope, R]`` and ``W_UV [H, R, dv]`` for decode.
+
+        Call once after the weights are final (the loader does); decode refuses to run before.
+        """
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.dv, self.kv_lora_rank)
+        self.w_uk_t = w[:, : self.nope, :].contiguous()
+        self.w_uv = w[:, self.nope :, :].transpose(1, 2).contiguous()
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, D]`` -> ``(q [T, H, nope + rope], latent [T, R], k_pe [T, rope])``."""
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(x.shape[0], self.num_heads, self.nope + self.rope)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        if self.use_rope:
+            q = torch.cat(
+                [q[..., : self.nope], apply_rope(q[..., self.nope :], positions, self.rope_theta)],
+                -1,
+            )
+            k_pe = apply_rope(k_pe, positions, self.rope_theta)
+        return q, latent, k_pe
+
+    def attend_fresh(
+        self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor
+    ) -> torch.Tensor:
+        """MHA form for one request with no cached context: ``[n, H, qk]`` -> ``[n, H, dv]``."""
+        n = q.shape[0]
+        kv = self.kv_b_proj(latent).view(n, self.num_heads, self.nope + self.dv)
+        k_nope, v = kv.split([self.nope, self.dv], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(n, self.num_heads, self.rope)], dim=-1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            scale=self.scale,
+        )
+        return out.transpose(0, 1)
+
+    def attend_cached(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Absorbed form: ``q [B, S, H, qk]`` over the paged latent cache -> ``[B, S, H, dv]``."""
+        if self.w_uk_t is None or self.w_uv is None:
+            raise RuntimeError(
+                "MLA decode needs the absorbed weights: call model.absorb_weights() after the "
+                "weights are loaded (the checkpoint loader does this)"
+            )
+        q_latent = torch.einsum("bshn,hnr->bshr", q[..., : self.nope], self.w_uk_t)
+        mqa_q = torch.cat([q_latent, q[..., self.nope :]], dim=-1).to(kv_cache.dtype)
+        out, _ = mla_decode(
+            mqa_q,
+            kv_cache,
+            block_tables,
+            seq_lens.to(device=kv_cache.device, dtype=torch.int32),
+            head_dim_v=self.kv_lora_rank,
+            softmax_scale=self.scale,
+            causal=True,
+            backend=self.backend,
+        )
+        return torch.einsum("bshr,hrv->bshv", out.to(q.dtype), self.w_uv)
+
+    def forward(
+        self, x: torch.Tensor, meta: ForwardMetadata, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """``x [T, D]`` (normalized) -> ``[T, D]``; writes the new latent rows into ``kv_cache``.
+
+        ``kv_cache``: ``[num_blocks, block_size, kv_lora_rank + rope]`` of this layer.
+        """
+        q, latent, k_pe = self.project(x, meta.positions)
+        rows = kv_cache.view(-1, kv_cache.shape[-1])
+        rows[meta.slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(kv_cache.dtype)
+        num_new, context = meta.num_new, meta.context_lens
+        starts = meta.query_start_loc.tolist()
+        if all(c == 0 for c in context):
+            out = torch.cat(
+                [
+                    self.attend_fresh(q[s:e], latent[s:e], k_pe[s:e])
+                    for s, e in itertools.pairwise(starts)
+                ]
+            )
+        elif len(set(num_new)) == 1:
+            n = num_new[0]
+            out = self.attend_cached(
+                q.view(len(num_new), n, *q.shape[1:]), kv_cache, meta.block_tables, meta.seq_lens
+            ).flatten(0, 1)
+        else:
+            out = torch.cat(
+                [
+                    self.attend_cached(
+                        q[s:e][None],
+                        kv_cache,
+                        meta.block_tables[b : b + 1],
+                        meta.seq_lens[b : b + 1],
+                    )[0]
+                    for b, (s, e) in enumerate(itertools.pairwise(starts))
+                ]
+            )
+        if self.use_gate:
+            out = out * torch.sigmoid(self.g_proj(x)).view_as(out)
+        return self.all_reduce(self.o_proj(out.reshape(x.shape[0], -1)))
