@@ -3,7 +3,7 @@
 #   make demo        decode demo over a random paged latent cache
 #   make test        lint + the pytest suite (CPU; GPU tests skip with their reason)
 #   make lint        ruff + hadolint (Dockerfile) + shellcheck (*.sh) + actionlint (workflows)
-#   make bench       CPU decode benchmark (JSON + PNG under benchmarks/results/)
+#   make bench       CPU decode + kernel roofline benchmarks (JSON + PNG under benchmarks/results/)
 #
 # TORCH is the torch spec installed into a *new* venv. Where the system python already has
 # a GPU (ROCm/CUDA) torch, the venv sees it through --system-site-packages and nothing is
@@ -56,6 +56,7 @@ test-vllm:
 bench: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib
 	$(PY) -m benchmarks.cpu_decode
+	$(PY) -m benchmarks.kernel_roofline
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

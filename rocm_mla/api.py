@@ -99,4 +99,9 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
         raise ValueError(
             f"merge_states: outs and lses must share a device, got {outs.device} and {lses.device}"
         )
-    return torch_merge_states(outs, lses)
+    if outs.device.type == "cpu":
+        return torch_merge_states(outs, lses)
+    # On a GPU the Triton kernel does the same arithmetic in one launch instead of ~10.
+    from rocm_mla.kernels.merge_states import merge_states as triton_merge_states
+
+    return triton_merge_states(outs, lses)

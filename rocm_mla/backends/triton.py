@@ -1,15 +1,142 @@
-"""Triton MLA decode backend (HIP, CUDA, and the CPU interpreter)."""
+"""Triton MLA decode backend: HIP (MI300X first), CUDA, and the CPU interpreter.
+
+One kernel source (``rocm_mla.kernels.mla_decode``) serves every target. On a machine with
+no GPU it runs under ``TRITON_INTERPRET=1``: correct but slow, so it is for tests only and
+``auto`` never picks it. Nothing here imports triton or queries a GPU driver until a
+backend question is actually asked.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
+import torch
+
 from rocm_mla.backends.base import Capabilities, MLADecodeImpl
-from rocm_mla.inputs import KV_DTYPES, Q_DTYPES
+from rocm_mla.inputs import Q_DTYPES, DecodeProblem
+
+_NOT_INSTALLED = (
+    "triton is not installed (CPU/CUDA: pip install 'rocm-mla[triton]'; ROCm images ship "
+    "their own Triton, never install the PyPI wheel over it)"
+)
+_BASE_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _target():
+    """The Triton target (``TritonTarget``), or None; never raises on a CPU-only machine."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from rocm_mla.kernels.merge_states import triton_target
+
+    return triton_target()
+
+
+@functools.cache
+def _capabilities() -> Capabilities:
+    target = _target()
+    if target is None:
+        return Capabilities(platforms=(), q_dtypes=Q_DTYPES, kv_dtypes=_BASE_KV_DTYPES)
+    if target.backend == "interpreter":
+        # The interpreter converts both fp8 flavours in software.
+        fp8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+        platforms = ("cpu",)
+    elif target.backend == "hip":
+        # MI300X (gfx942) computes the fnuz flavour of e4m3; gfx950 and later the OCP one.
+        fp8 = (torch.float8_e4m3fnuz,) if target.arch == "gfx942" else (torch.float8_e4m3fn,)
+        platforms = ("hip",)
+    else:
+        # Triton converts e4m3fn on NVIDIA from sm89 (Ada/Hopper) on.
+        fp8 = (torch.float8_e4m3fn,) if int(target.arch.removeprefix("sm")) >= 89 else ()
+        platforms = ("cuda",)
+    return Capabilities(platforms=platforms, q_dtypes=Q_DTYPES, kv_dtypes=(*_BASE_KV_DTYPES, *fp8))
+
+
+class _LazyCapabilities:
+    """Resolves ``TritonMLAImpl.capabilities`` on first access, not at import.
+
+    Which platforms and fp8 flavours the backend supports depends on the Triton target, and
+    finding it out queries the GPU driver; doing that when the registry merely imports this
+    module would initialize the GPU in processes that may still fork workers.
+    """
+
+    def __get__(self, instance, owner) -> Capabilities:
+        return _capabilities()
 
 
 class TritonMLAImpl(MLADecodeImpl):
+    """Split-KV Triton MLA decode.
+
+    Args (beyond ``MLADecodeImpl``'s):
+        num_kv_splits: force the number of KV splits per request (>= 1); None chooses it
+            per call from the lengths and the compute-unit count
+            (``rocm_mla.kernels.mla_decode.choose_num_kv_splits``).
+    """
+
     name = "triton"
-    capabilities = Capabilities(platforms=(), q_dtypes=Q_DTYPES, kv_dtypes=KV_DTYPES)
+    capabilities = _LazyCapabilities()
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim_v: int = 512,
+        rope_dim: int = 64,
+        softmax_scale: float | None = None,
+        dcp_world_size: int | None = -1,
+        dcp_rank: int | None = -1,
+        num_kv_splits: int | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_dim_v=head_dim_v,
+            rope_dim=rope_dim,
+            softmax_scale=softmax_scale,
+            dcp_world_size=dcp_world_size,
+            dcp_rank=dcp_rank,
+        )
+        if num_kv_splits is not None and (
+            isinstance(num_kv_splits, bool)
+            or not isinstance(num_kv_splits, int)
+            or num_kv_splits < 1
+        ):
+            raise ValueError(
+                f"triton: num_kv_splits must be an int >= 1 or None, got {num_kv_splits!r}"
+            )
+        self.num_kv_splits = num_kv_splits
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        return "not implemented yet (the Triton kernel issue)"
+        if importlib.util.find_spec("triton") is None:
+            return _NOT_INSTALLED
+        if _target() is None:
+            from rocm_mla.kernels.merge_states import triton_target_unavailable_reason
+
+            return triton_target_unavailable_reason()
+        return None
+
+    @classmethod
+    def target(cls) -> str | None:
+        target = _target()
+        return None if target is None else str(target)
+
+    @classmethod
+    def auto_skip_reason(cls) -> str | None:
+        target = _target()
+        if target is not None and target.backend == "interpreter":
+            return "the Triton interpreter is for testing only (slow); ask for it by name"
+        return None
+
+    def _decode(self, problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+        from rocm_mla.kernels import mla_decode
+
+        return mla_decode.mla_decode(
+            problem.q,
+            problem.kv_cache,
+            problem.block_table,
+            problem.cache_seqlens,
+            head_dim_v=problem.head_dim_v,
+            softmax_scale=problem.softmax_scale,
+            causal=problem.causal,
+            kv_scale=problem.kv_scale,
+            num_kv_splits=self.num_kv_splits,
+        )

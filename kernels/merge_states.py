@@ -1,0 +1,241 @@
+"""Exact LSE merge of N partial attentions in Triton, and where Triton runs here.
+
+The merge is ``rocm_mla.merge_states`` as a kernel: stage 2 of the split-KV decode and the
+decode-context-parallel combine both use it. Per output row it takes the partials' natural-
+log softmax denominators ``lse_n`` and weights partial ``n`` by ``exp(lse_n - max_n lse_n)``;
+a NaN or +inf lse marks a broken partial and, like -inf, contributes nothing (its output is
+never read into a sum, so it may be NaN). The arithmetic follows ``torch_merge_states`` step
+for step, in fp32.
+
+This module also owns the Triton target probe (``triton_target``), because both kernels
+need it to choose launch options and it must sit below ``mla_decode`` in the import order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rocm_mla.platform import triton_interpreting
+
+
+@dataclass(frozen=True)
+class TritonTarget:
+    """Where Triton kernels compile to on this machine."""
+
+    backend: str  #: "hip", "cuda" or "interpreter"
+    arch: str | None  #: "gfx942", "sm90", ...; None for the interpreter
+    num_cus: int  #: compute units (AMD) / SMs (NVIDIA); 1 for the interpreter
+
+    def __str__(self) -> str:
+        if self.backend == "interpreter":
+            return "interpreter (CPU, slow, for testing)"
+        return f"{self.backend} {self.arch}"
+
+
+@functools.cache
+def _probe() -> tuple[TritonTarget | None, str | None]:
+    if triton_interpreting():
+        # The interpreter runs one program at a time, so one "compute unit" is the truth.
+        return TritonTarget("interpreter", None, 1), None
+    from triton.runtime import driver
+
+    try:
+        target = driver.active.get_current_target()
+    except Exception as exc:
+        # With no GPU the active-driver query raises (RuntimeError "0 active drivers" in
+        # Triton 3.x); a broken GPU stack raises something else. Either way there is no
+        # target, and the reason is kept for the user instead of crashing the caller.
+        return None, (
+            f"no GPU Triton target ({type(exc).__name__}: {exc}); set TRITON_INTERPRET=1 "
+            "before importing triton to run the interpreter on CPU (slow, for testing)"
+        )
+    if target.backend == "hip":
+        arch = str(target.arch).split(":")[0]  # "gfx942:sramecc+:xnack-" -> "gfx942"
+    elif target.backend == "cuda":
+        arch = f"sm{target.arch}"
+    else:
+        return None, f"Triton target backend {target.backend!r} is neither hip nor cuda"
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return TritonTarget(target.backend, arch, props.multi_processor_count), None
+
+
+def triton_target() -> TritonTarget | None:
+    """The Triton target of the current device, the interpreter, or None (see the reason)."""
+    return _probe()[0]
+
+
+def triton_target_unavailable_reason() -> str | None:
+    """Why there is no Triton target here (None when ``triton_target()`` is not None)."""
+    return _probe()[1]
+
+
+def merge_launch_options(target: TritonTarget | None) -> dict:
+    """Launch options of the merge kernel for ``target``.
+
+    A merge program reads N short rows and is latency bound, so on AMD it runs one wave per
+    program and asks for many waves per SIMD to hide the loads (AITER's stage-2 choice);
+    the AMD-only keyword is passed only when compiling for hip.
+    """
+    if target is not None and target.backend == "hip":
+        return {"num_warps": 1, "waves_per_eu": 4}
+    return {"num_warps": 4}
+
+
+@triton.jit
+def _merge_states_kernel(
+    outs_ptr,  # [N, R, Dv]
+    lses_ptr,  # [N, R]
+    out_ptr,  # [R, Dv]
+    out_lse_ptr,  # [R] fp32
+    num_parts,
+    num_rows,
+    stride_outs_n,
+    stride_outs_r,
+    stride_lses_n,
+    stride_lses_r,
+    stride_out_r,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_p = tl.arange(0, BLOCK_P)
+    r_mask = offs_r < num_rows
+    d_mask = offs_d < HEAD_DIM_V
+    lse_rows = lses_ptr + offs_r.to(tl.int64) * stride_lses_r
+
+    # Pass 1: the largest valid lse of each row.
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        p = p0 + offs_p
+        lse = tl.load(
+            lse_rows[None, :] + p[:, None] * stride_lses_n,
+            mask=(p < num_parts)[:, None] & r_mask[None, :],
+            other=float("-inf"),
+        ).to(tl.float32)
+        lse = tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
+        top = tl.maximum(top, tl.max(lse, axis=0))
+    # A row with no valid partial keeps exp(-inf - 0) = 0 weights, never inf - inf.
+    ref = tl.where(top == float("-inf"), 0.0, top)
+
+    # Pass 2: weights exp(lse - ref); partials with weight 0 are never read into the sum.
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    out_rows = outs_ptr + offs_r.to(tl.int64) * stride_outs_r
+    for p0 in range(0, num_parts, BLOCK_P):
+        p = p0 + offs_p
+        p_mask = p < num_parts
+        lse = tl.load(
+            lse_rows[None, :] + p[:, None] * stride_lses_n,
+            mask=p_mask[:, None] & r_mask[None, :],
+            other=float("-inf"),
+        ).to(tl.float32)
+        lse = tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
+        weight = tl.exp(lse - ref[None, :])  # [BLOCK_P, BLOCK_R]
+        total += tl.sum(weight, axis=0)
+        part = tl.load(
+            out_rows[None, :, None] + p[:, None, None] * stride_outs_n + offs_d[None, None, :],
+            mask=(weight > 0)[:, :, None] & d_mask[None, None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(part * weight[:, :, None], axis=0)
+
+    seen = total > 0
+    safe_total = tl.where(seen, total, 1.0)
+    merged = tl.where(seen[:, None], acc / safe_total[:, None], 0.0)
+    tl.store(
+        out_ptr + offs_r.to(tl.int64)[:, None] * stride_out_r + offs_d[None, :],
+        merged,
+        mask=r_mask[:, None] & d_mask[None, :],
+    )
+    if tl.program_id(1) == 0:
+        out_lse = tl.where(seen, ref + tl.log(safe_total), float("-inf"))
+        tl.store(out_lse_ptr + offs_r, out_lse, mask=r_mask)
+
+
+def launch_merge(
+    outs: torch.Tensor,
+    lses: torch.Tensor,
+    out: torch.Tensor,
+    out_lse: torch.Tensor,
+    target: TritonTarget | None = None,
+) -> None:
+    """Merge ``outs [N, R, Dv]`` / ``lses [N, R]`` into ``out [R, Dv]`` / ``out_lse [R]``.
+
+    ``outs`` and ``out`` must have unit stride in their last dim; ``out`` may have any float
+    dtype (the fp32 result is rounded on store) and ``out_lse`` is fp32.
+    """
+    num_parts, rows, head_dim_v = outs.shape
+    if rows == 0:
+        return
+    for name, t in (("outs", outs), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"launch_merge: {name} must have stride 1 in its last dim")
+    target = triton_target() if target is None else target
+    if target is not None and target.backend == "interpreter":
+        # The interpreter pays per program and per op, not per register: take whole rows,
+        # 16 partials at a time, and as many rows as keep the [P, R, D] tile near 256K.
+        block_p = min(triton.next_power_of_2(max(num_parts, 1)), 16)
+        block_d = min(triton.next_power_of_2(head_dim_v), 512)
+        block_r = max(1, min(triton.next_power_of_2(rows), (1 << 18) // (block_p * block_d)))
+    else:
+        # One row per GPU program (rows are plenty) and a [4, 1, 256] tile: 16 fp32 values
+        # per lane in one 64-lane AMD wave, where a [16, 1, 512] tile spills registers.
+        block_p = min(triton.next_power_of_2(max(num_parts, 1)), 4)
+        block_d = min(triton.next_power_of_2(head_dim_v), 256)
+        block_r = 1
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(head_dim_v, block_d))
+    _merge_states_kernel[grid](
+        outs,
+        lses,
+        out,
+        out_lse,
+        num_parts,
+        rows,
+        outs.stride(0),
+        outs.stride(1),
+        lses.stride(0),
+        lses.stride(1),
+        out.stride(0),
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_P=block_p,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        **merge_launch_options(target),
+    )
+
+
+def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton ``rocm_mla.merge_states``: exact merge of N partials over disjoint key sets.
+
+    Args:
+        outs: ``[N, ...rows, Dv]`` partial outputs, each normalized over its own keys.
+        lses: ``[N, ...rows]`` their natural-log softmax denominators.
+
+    Returns:
+        ``(out [...rows, Dv] in outs' dtype, lse [...rows] float32)``. Partials with a -inf,
+        +inf or NaN lse contribute nothing; a row with no valid partial gives out 0, lse -inf.
+    """
+    if outs.dim() < 2 or lses.shape != outs.shape[:-1]:
+        raise ValueError(
+            "merge_states: outs must be [N, ...rows, Dv] and lses [N, ...rows], got outs "
+            f"{tuple(outs.shape)} and lses {tuple(lses.shape)}"
+        )
+    num_parts, head_dim_v = outs.shape[0], outs.shape[-1]
+    row_shape = outs.shape[1:-1]
+    rows = row_shape.numel()
+    flat_outs = outs.reshape(num_parts, rows, head_dim_v)
+    if flat_outs.stride(-1) != 1:
+        flat_outs = flat_outs.contiguous()
+    out = torch.empty(rows, head_dim_v, dtype=outs.dtype, device=outs.device)
+    out_lse = torch.empty(rows, dtype=torch.float32, device=outs.device)
+    # N = 0 needs no special case: the kernel's loops run zero times, giving out 0, lse -inf.
+    launch_merge(flat_outs, lses.reshape(num_parts, rows), out, out_lse)
+    return out.view(*row_shape, head_dim_v), out_lse.view(row_shape)

@@ -1,0 +1,386 @@
+"""The Triton MLA decode against the torch backend, on the CPU interpreter or a GPU.
+
+With no GPU, conftest switches on ``TRITON_INTERPRET=1``; the interpreter runs programs one
+at a time in numpy, so the grid below is a hand-picked list (not a cartesian product) that
+still covers every value the contract names: batch 1..4, heads 1/16/20/128, S_q 1..4, block
+sizes 1/16/64, lengths 0/1/odd/>= 2K, forced splits 1/2/7/32, NaN in every unused slot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+import rocm_mla
+from rocm_mla.backends.triton import TritonMLAImpl
+from rocm_mla.inputs import prepare_decode
+from rocm_mla.kernels import mla_decode as kernel
+from rocm_mla.kernels.merge_states import TritonTarget, triton_target
+from tests.reference import dense_mla_decode, make_paged_problem
+
+if TritonMLAImpl.unavailable_reason() is not None:
+    pytest.skip(TritonMLAImpl.unavailable_reason(), allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def problem(lengths, *, heads, q_len, block, dtype=torch.float32, seed=0, head_dim=576):
+    q, kv, bt, lens = make_paged_problem(
+        lengths,
+        num_heads=heads,
+        q_len=q_len,
+        block_size=block,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=seed,
+    )
+    return q.to(DEVICE), kv.to(DEVICE), bt.to(DEVICE), lens.to(DEVICE)
+
+
+def assert_matches(out, lse, ref_out, ref_lse, tol):
+    """Same values, same empty rows (out exactly 0, lse exactly -inf), no NaN anywhere."""
+    assert out.dtype == ref_out.dtype and lse.dtype == torch.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty)
+    assert (lse[empty] == -math.inf).all() and (out[empty] == 0).all()
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=tol, rtol=tol)
+
+
+def run_both(q, kv, bt, lens, *, splits=None, causal=True, kv_scale=None, head_dim_v=512):
+    impl = TritonMLAImpl(
+        num_heads=q.shape[2],
+        head_dim_v=head_dim_v,
+        rope_dim=q.shape[3] - head_dim_v,
+        num_kv_splits=splits,
+    )
+    got = impl.forward(q, kv, bt, lens, causal=causal, kv_scale=kv_scale)
+    want = rocm_mla.mla_decode(
+        q, kv, bt, lens, causal=causal, kv_scale=kv_scale, head_dim_v=head_dim_v, backend="torch"
+    )
+    return got, want
+
+
+# Each row is one case; together they cover every listed value (see the module docstring).
+GRID = [
+    # lengths,            heads, S_q, block, dtype,         splits
+    ([1, 0, 37, 2], 16, 1, 16, torch.float32, None),
+    ([2053], 16, 1, 64, torch.float32, 7),
+    ([2049, 5], 20, 2, 1, torch.float16, 32),
+    ([9, 3, 130], 128, 4, 16, torch.float16, 2),
+    ([300, 1, 0], 1, 3, 64, torch.float32, 2),
+    ([131], 16, 4, 1, torch.float32, 1),
+    ([3, 1, 0, 2], 20, 4, 16, torch.float32, 7),
+    ([65, 2100], 1, 2, 16, torch.float16, 1),
+    ([511], 128, 1, 64, torch.float32, 32),
+]
+
+
+@pytest.mark.parametrize(("lengths", "heads", "q_len", "block", "dtype", "splits"), GRID)
+def test_triton_matches_torch(lengths, heads, q_len, block, dtype, splits):
+    q, kv, bt, lens = problem(
+        lengths, heads=heads, q_len=q_len, block=block, dtype=dtype, seed=sum(lengths)
+    )
+    (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens, splits=splits)
+    assert_matches(out, lse, ref_out, ref_lse, TOL[dtype])
+
+
+def test_public_api_and_non_causal_and_4d_cache():
+    q, kv, bt, lens = problem([70, 0, 5], heads=16, q_len=3, block=16, seed=3)
+    for causal in (True, False):
+        out, lse = rocm_mla.mla_decode(
+            q, kv.unsqueeze(2), bt, lens, causal=causal, backend="triton"
+        )
+        ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, causal=causal, backend="torch")
+        assert_matches(out, lse, ref_out, ref_lse, TOL[torch.float32])
+
+
+def test_strided_inputs():
+    """q with permuted strides and a non-unit last stride; a block table that is a view."""
+    q, kv, bt, lens = problem([70, 9], heads=16, q_len=2, block=16, seed=8)
+    ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
+    q_strided = torch.empty(*q.shape[:3], 2 * q.shape[3], device=DEVICE)[..., ::2]
+    q_strided.copy_(q)
+    q_permuted = q.transpose(1, 2).contiguous().transpose(1, 2)
+    wide_table = torch.zeros(bt.shape[0], 2 * bt.shape[1], dtype=torch.int32, device=DEVICE)
+    wide_table[:, ::2] = bt
+    for q_in, table in ((q_strided, bt), (q_permuted, wide_table[:, ::2])):
+        out, lse = rocm_mla.mla_decode(q_in, kv, table, lens, backend="triton")
+        assert_matches(out, lse, ref_out, ref_lse, TOL[torch.float32])
+
+
+def test_small_head_dims_against_dense_reference():
+    """Dv and rope that are not the production 512 + 64 (non-power-of-two Dv, masked)."""
+    q, kv, bt, lens = problem([45, 12], heads=16, q_len=2, block=16, head_dim=100, seed=4)
+    impl = TritonMLAImpl(num_heads=16, head_dim_v=72, rope_dim=28, num_kv_splits=2)
+    out, lse = impl.forward(q, kv, bt, lens)
+    ref_out, ref_lse = dense_mla_decode(q.cpu(), kv.cpu(), bt.cpu(), lens.cpu(), head_dim_v=72)
+    assert_matches(out.cpu(), lse.cpu(), ref_out.float(), ref_lse.float(), 1e-5)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+def test_fp8_cache_matches_torch_on_dequantized_cache(fp8):
+    if fp8 not in TritonMLAImpl.capabilities.kv_dtypes:
+        pytest.skip(f"{fp8} is not this target's fp8 ({TritonMLAImpl.target()})")
+    q, kv, bt, lens = problem([77, 1, 0, 40], heads=16, q_len=2, block=1, seed=5)
+    scale = 0.37
+    kv8 = (kv / scale).to(fp8)  # NaN slots stay NaN in both fp8 flavours
+    (out, lse), _ = run_both(q, kv8, bt, lens, splits=2, kv_scale=scale)
+    ref_out, ref_lse = rocm_mla.mla_decode(q, kv8.float() * scale, bt, lens, backend="torch")
+    assert_matches(out, lse, ref_out, ref_lse, TOL[torch.float32])
+
+
+def test_amd_tile_shape_and_xcd_remap_under_any_target():
+    """The gfx942 stage-1 shape (16 rows x 16 keys) with the 8-XCD program-id remap.
+
+    The remap must be a bijection over any grid size: a lost program would leave a partial
+    unwritten, a duplicated one would double a contribution.
+    """
+    config = kernel.LaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, num_xcds=8)
+    q, kv, bt, lens = problem([50, 17, 0], heads=20, q_len=2, block=16, seed=6)
+    p = prepare_decode(
+        q, kv, bt, lens, head_dim_v=512, softmax_scale=None, causal=True, kv_scale=None
+    )
+    ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
+    for splits in (1, 3):  # grids of 9 and 27 programs: neither divides by 8
+        out, lse = kernel.mla_decode(
+            p.q,
+            p.kv_cache,
+            p.block_table,
+            p.cache_seqlens,
+            head_dim_v=512,
+            softmax_scale=p.softmax_scale,
+            num_kv_splits=splits,
+            config=config,
+        )
+        assert_matches(out, lse, ref_out, ref_lse, TOL[torch.float32])
+
+
+def test_bfloat16_runs_with_fp32_tiles():
+    """bf16 q and cache: on the interpreter the tiles are upcast (Triton issue 11584)."""
+    q, kv, bt, lens = problem([33, 90], heads=16, q_len=1, block=16, dtype=torch.bfloat16)
+    (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens, splits=2)
+    assert_matches(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(0, 150), min_size=1, max_size=3),
+    heads=st.sampled_from([1, 3, 16, 20]),
+    q_len=st.integers(1, 4),
+    block=st.sampled_from([1, 16, 64]),
+    splits=st.sampled_from([None, 1, 2, 5]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_triton_against_torch(lengths, heads, q_len, block, splits, causal, seed):
+    q, kv, bt, lens = problem(
+        lengths, heads=heads, q_len=q_len, block=block, head_dim=48, seed=seed
+    )
+    (out, lse), (ref_out, ref_lse) = run_both(
+        q, kv, bt, lens, splits=splits, causal=causal, head_dim_v=32
+    )
+    assert_matches(out, lse, ref_out, ref_lse, TOL[torch.float32])
+
+
+# ---- split heuristic and launch configuration (pure Python) ---------------------------------
+
+
+def test_split_heuristic_bounds():
+    cus = 304
+    assert kernel.choose_num_kv_splits(8, 1, 0.0, 0, cus) == 1
+    assert kernel.choose_num_kv_splits(8, 1, 100.0, 300, cus) == 1  # < 2 x 256 keys
+    for batch, groups, length in [(1, 1, 32768), (1, 8, 4096), (32, 1, 16384), (128, 8, 1024)]:
+        splits = kernel.choose_num_kv_splits(batch, groups, float(length), length, cus)
+        assert 1 <= splits <= kernel.MAX_SPLITS
+        assert splits == 1 or -(-length // splits) >= kernel.MIN_TOKENS_PER_SPLIT
+    # One long request on a big GPU: split as far as the bounds allow.
+    assert kernel.choose_num_kv_splits(1, 1, 32768.0, 32768, cus) == kernel.MAX_SPLITS
+    # Programs already fill every compute unit exactly once: splitting only adds overhead.
+    assert kernel.choose_num_kv_splits(38, 8, 4096.0, 4096, cus) == 1
+    # A serial "machine" (the interpreter) never gains from splitting.
+    assert kernel.choose_num_kv_splits(1, 1, 32768.0, 32768, 1) == 1
+
+
+def test_planned_splits_follow_the_target():
+    lens = torch.tensor([32768], dtype=torch.int32, device=DEVICE)
+    splits = kernel.plan_num_kv_splits(lens, 1, 16)
+    target = triton_target()
+    assert splits == kernel.choose_num_kv_splits(1, 1, 32768.0, 32768, target.num_cus)
+    if target.backend == "interpreter":
+        assert splits == 1  # programs run one at a time: splitting is pure overhead
+
+
+def test_hip_options_only_for_hip_targets():
+    gfx942 = TritonTarget("hip", "gfx942", 304)
+    gfx950 = TritonTarget("hip", "gfx950", 256)
+    sm90 = TritonTarget("cuda", "sm90", 132)
+    opts = kernel.default_config(gfx942).launch_options(gfx942)
+    assert opts["waves_per_eu"] == 1 and opts["matrix_instr_nonkdim"] == 16
+    assert opts["kpack"] == 2
+    assert kernel.default_config(gfx942).num_xcds == 8
+    assert "kpack" not in kernel.default_config(gfx950).launch_options(gfx950)
+    for target in (sm90, TritonTarget("interpreter", None, 1)):
+        opts = kernel.default_config(target).launch_options(target)
+        assert not {"waves_per_eu", "matrix_instr_nonkdim", "kpack"} & set(opts)
+        assert kernel.default_config(target).num_xcds == 1
+    # A hip config handed a CUDA target still drops the AMD keywords.
+    assert "waves_per_eu" not in kernel.default_config(gfx942).launch_options(sm90)
+
+
+# ---- the backend as the registry sees it ------------------------------------------------
+
+
+def test_backend_description():
+    target = TritonMLAImpl.target()
+    assert target == str(triton_target())
+    if DEVICE == "cpu":
+        assert target == "interpreter (CPU, slow, for testing)"
+        assert TritonMLAImpl.auto_skip_reason() is not None
+        assert TritonMLAImpl.capabilities.platforms == ("cpu",)
+        assert rocm_mla.available_backends()["triton"] is None
+    else:
+        assert target.split()[0] in ("hip", "cuda")
+        assert TritonMLAImpl.auto_skip_reason() is None
+        assert "cpu" not in TritonMLAImpl.capabilities.platforms
+
+
+def test_num_kv_splits_is_validated_and_cp_is_normalized():
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="num_kv_splits"):
+            TritonMLAImpl(num_heads=16, num_kv_splits=bad)
+    impl = TritonMLAImpl(16, 512, 64, None, -1, -1, num_kv_splits=2)
+    assert (impl.dcp_world_size, impl.dcp_rank) == (1, 0)
+    q, kv, bt, lens = problem([5], heads=16, q_len=1, block=16)
+    impl.dcp_world_size = -1
+    with pytest.raises(ValueError):
+        impl.forward(q, kv, bt, lens)
+
+
+# ---- ahead-of-time compilation for real GPUs, on any machine ---------------------------------
+
+# Runs in a fresh interpreter without TRITON_INTERPRET, so that @triton.jit builds real
+# kernels; triton.compile needs a GPUTarget, not a GPU. Prints one JSON line per kernel.
+_AOT_SCRIPT = r"""
+import json, re, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rocm_mla.kernels import mla_decode as md, merge_states as ms
+
+def build(fn, pointers, consts, target, options):
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        else:
+            sig[name] = "fp32" if name in ("qk_scale", "v_scale") else "i32"
+    kernel = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
+    text = kernel.asm.get("amdgcn", "")
+    spill = re.search(r"\.vgpr_spill_count:\s+(\d+)", text)
+    return {"shared": kernel.metadata.shared, "vgpr_spill": int(spill.group(1)) if spill else 0}
+
+backend, arch, kv = sys.argv[1], sys.argv[2], sys.argv[3]
+if backend == "hip":
+    target = GPUTarget("hip", arch, 64)
+else:
+    target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)
+here = md.TritonTarget(backend, arch, 1)
+config = md.default_config(here)
+consts = dict(Q_LEN=1, NUM_HEADS=16, HEAD_DIM_V=512, ROPE_DIM=64, PAGE_SIZE=64, CAUSAL=True,
+              BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_DV=512, BLOCK_DR=64,
+              COMPUTE_DTYPE=tl.bfloat16, NUM_XCDS=config.num_xcds)
+pointers = {"q_ptr": "*bf16", "kv_ptr": "*" + kv, "block_table_ptr": "*i32", "seqlens_ptr": "*i32",
+            "out_ptr": "*fp32", "lse_ptr": "*fp32"}
+stage1 = build(md._mla_decode_stage1, pointers, consts, target, config.launch_options(here))
+print(json.dumps({"kernel": "stage1", **stage1}))
+consts = dict(HEAD_DIM_V=512, BLOCK_P=4, BLOCK_R=1, BLOCK_D=256)
+pointers = {"outs_ptr": "*fp32", "lses_ptr": "*fp32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
+merge = build(ms._merge_states_kernel, pointers, consts, target, ms.merge_launch_options(here))
+print(json.dumps({"kernel": "merge", **merge}))
+"""
+
+#: Shared memory (LDS) per workgroup: MI300X 64 KB, MI355X 160 KB, H100/H200 227 KB.
+_SHARED_LIMIT = {"gfx942": 64 << 10, "gfx950": 160 << 10, "sm90": 227 << 10}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend", "arch", "kv"),
+    [("hip", "gfx942", "fp8e4b8"), ("hip", "gfx950", "bf16"), ("cuda", "sm90", "bf16")],
+)
+def test_default_configs_compile_for_gpus_without_spilling(backend, arch, kv):
+    """Stage 1 and the merge compile for MI300X / MI355X / H100 with the default launch
+    options (HIP knobs included), fit the LDS/shared memory, and spill no VGPRs on AMD."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from triton.backends import backends
+
+    if {"hip": "amd", "cuda": "nvidia"}[backend] not in backends:
+        pytest.skip(f"this Triton build has no {backend} backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT, backend, arch, kv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [k["kernel"] for k in kernels] == ["stage1", "merge"]
+    for k in kernels:
+        assert k["shared"] <= _SHARED_LIMIT[arch], k
+        assert k["vgpr_spill"] == 0, k
+
+
+# ---- real GPUs only -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "q_len"), [(16, 1), (128, 2), (20, 4)])
+def test_gpu_production_shapes(dtype, heads, q_len):
+    lengths = [4096, 1, 0, 3001, 17, 8191, 640, 2]
+    q, kv, bt, lens = problem(lengths, heads=heads, q_len=q_len, block=64, dtype=dtype, seed=9)
+    for splits in (None, 1, 7, 32):
+        (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens, splits=splits)
+        assert_matches(out, lse, ref_out, ref_lse, TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cache():
+    fp8 = next(d for d in TritonMLAImpl.capabilities.kv_dtypes if d.itemsize == 1)
+    q, kv, bt, lens = problem([2048, 5, 300], heads=16, q_len=2, block=1, dtype=torch.bfloat16)
+    kv8 = (kv.float() / 0.5).to(fp8)
+    out, lse = rocm_mla.mla_decode(q, kv8, bt, lens, kv_scale=0.5, backend="triton")
+    ref_out, ref_lse = rocm_mla.mla_decode(q, kv8, bt, lens, kv_scale=0.5, backend="torch")
+    assert_matches(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])
+
+
+@pytest.mark.rocm
+def test_rocm_target_and_knobs():
+    target = triton_target()
+    assert target.backend == "hip" and TritonMLAImpl.target().startswith("hip gfx")
+    fp8 = torch.float8_e4m3fnuz if target.arch == "gfx942" else torch.float8_e4m3fn
+    assert fp8 in TritonMLAImpl.capabilities.kv_dtypes
+    config = kernel.default_config(target)
+    assert "waves_per_eu" in config.launch_options(target)
+    # The defaults (HIP knobs, XCD remap on gfx942/gfx950) compile and are correct.
+    q, kv, bt, lens = problem([9000, 3], heads=128, q_len=1, block=1, dtype=torch.bfloat16)
+    (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens)
+    assert_matches(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])

@@ -1,0 +1,123 @@
+"""The Triton LSE merge against ``torch_merge_states`` (the definition of the operation)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import rocm_mla
+from rocm_mla.backends.torch_ref import torch_merge_states
+from rocm_mla.kernels.merge_states import TritonTarget, launch_merge, merge_states, triton_target
+
+if triton_target() is None:
+    pytest.skip("no Triton target (GPU or TRITON_INTERPRET=1)", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_partials(num_parts, rows, head_dim_v, *, dtype=torch.float32, seed=0):
+    """Partials with every kind of broken or empty entry the contract names.
+
+    Row 0: one -inf partial whose out is NaN. Row 1: every partial -inf (all empty) and NaN
+    outs. Row 2: a NaN lse. Row 3: a +inf lse. Row 4: lses far apart (weights underflow).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    outs = torch.randn(num_parts, *rows, head_dim_v, generator=gen)
+    lses = torch.randn(num_parts, *rows, generator=gen) * 4
+    flat_outs, flat_lses = outs.view(num_parts, -1, head_dim_v), lses.view(num_parts, -1)
+    flat_lses[0, 0], flat_outs[0, 0] = -math.inf, math.nan
+    flat_lses[:, 1], flat_outs[:, 1] = -math.inf, math.nan
+    if num_parts > 1:
+        flat_lses[1, 2] = math.nan
+        flat_lses[num_parts - 1, 3] = math.inf
+        flat_lses[0, 4] = 200.0
+    return outs.to(dtype).to(DEVICE), lses.to(DEVICE)
+
+
+def assert_same_merge(outs, lses, tol):
+    out, lse = merge_states(outs, lses)
+    ref_out, ref_lse = torch_merge_states(outs.cpu(), lses.cpu())
+    out, lse = out.cpu(), lse.cpu()
+    assert out.dtype == outs.dtype and lse.dtype == torch.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty)
+    assert (lse[empty] == -math.inf).all() and (out[empty] == 0).all()
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=tol, rtol=tol)
+    return out, lse
+
+
+@pytest.mark.parametrize(
+    ("num_parts", "rows", "head_dim_v", "dtype"),
+    [
+        (2, (3, 4), 512, torch.float32),
+        (7, (5,), 40, torch.float32),
+        (32, (2, 3, 2), 512, torch.float32),  # more partials than one chunk of 16
+        (1, (6,), 16, torch.float32),
+        (3, (2, 4), 100, torch.float16),
+    ],
+)
+def test_triton_merge_matches_torch(num_parts, rows, head_dim_v, dtype):
+    outs, lses = random_partials(num_parts, rows, head_dim_v, dtype=dtype, seed=num_parts)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    _, lse = assert_same_merge(outs, lses, tol)
+    flat_lse = lse.view(-1)
+    assert flat_lse[1] == -math.inf  # the all-empty row
+    if num_parts > 1:
+        assert math.isfinite(flat_lse[2]) and math.isfinite(flat_lse[3])
+
+
+@pytest.mark.parametrize(
+    "target", [TritonTarget("hip", "gfx942", 304), TritonTarget("cuda", "sm90", 132)]
+)
+def test_gpu_tile_shapes(target):
+    """The GPU block shapes (4 partials x 1 row x 256 dims per step), on any machine.
+
+    Under the interpreter this runs the GPU tiling with the launch options ignored; on a
+    GPU of the other vendor the options would not compile, so only the matching one runs.
+    """
+    here = triton_target()
+    if here.backend != "interpreter" and here.backend != target.backend:
+        pytest.skip(f"{target.backend} launch options on a {here.backend} GPU")
+    outs, lses = random_partials(11, (6,), 512, seed=11)
+    out = torch.empty(6, 512, device=DEVICE)
+    lse = torch.empty(6, device=DEVICE)
+    launch_merge(outs, lses, out, lse, target)
+    ref_out, ref_lse = torch_merge_states(outs.cpu(), lses.cpu())
+    torch.testing.assert_close(out.cpu(), ref_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-6, rtol=1e-6)
+
+
+def test_merge_of_split_attention_equals_whole_attention():
+    """Splitting keys in two and merging gives attention over all keys."""
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(6, 50, generator=gen)
+    values = torch.randn(50, 32, generator=gen)
+    halves = [slice(0, 20), slice(20, 50)]
+    outs = torch.stack([torch.softmax(scores[:, s], -1) @ values[s] for s in halves])
+    lses = torch.stack([torch.logsumexp(scores[:, s], -1) for s in halves])
+    out, lse = merge_states(outs.to(DEVICE), lses.to(DEVICE))
+    torch.testing.assert_close(out.cpu(), torch.softmax(scores, -1) @ values, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu(), torch.logsumexp(scores, -1), atol=1e-6, rtol=1e-6)
+
+
+def test_zero_partials_give_empty_rows_and_bad_shapes_raise():
+    out, lse = merge_states(torch.zeros(0, 3, 8, device=DEVICE), torch.zeros(0, 3, device=DEVICE))
+    assert (out == 0).all() and (lse == -math.inf).all()
+    with pytest.raises(ValueError, match="lses"):
+        merge_states(torch.zeros(2, 3, 8), torch.zeros(2, 4))
+
+
+def test_public_merge_states_uses_the_device_path():
+    """rocm_mla.merge_states keeps torch on CPU and runs this kernel on a GPU; same answer."""
+    outs, lses = random_partials(4, (3, 5), 64, seed=7)
+    out, lse = rocm_mla.merge_states(outs, lses)
+    ref_out, ref_lse = merge_states(outs, lses)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
