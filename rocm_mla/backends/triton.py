@@ -76,24 +76,8 @@ class TritonMLAImpl(MLADecodeImpl):
     name = "triton"
     capabilities = _LazyCapabilities()
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_dim_v: int = 512,
-        rope_dim: int = 64,
-        softmax_scale: float | None = None,
-        dcp_world_size: int | None = -1,
-        dcp_rank: int | None = -1,
-        num_kv_splits: int | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads,
-            head_dim_v=head_dim_v,
-            rope_dim=rope_dim,
-            softmax_scale=softmax_scale,
-            dcp_world_size=dcp_world_size,
-            dcp_rank=dcp_rank,
-        )
+    def __init__(self, *args, num_kv_splits: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         if num_kv_splits is not None and (
             isinstance(num_kv_splits, bool)
             or not isinstance(num_kv_splits, int)
