@@ -4,6 +4,7 @@
 #   make test        lint + the pytest suite (CPU; GPU tests skip with their reason)
 #   make lint        ruff + hadolint (Dockerfile) + shellcheck (*.sh) + actionlint (workflows)
 #   make bench       CPU decode + kernel roofline benchmarks (JSON + PNG under benchmarks/results/)
+#   make bench-dcp   DCP 2 vs DCP 1 decode step speedup (two processes)
 #
 # TORCH is the torch spec installed into a *new* venv. Where the system python already has
 # a GPU (ROCm/CUDA) torch, the venv sees it through --system-site-packages and nothing is
@@ -16,7 +17,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rocm-mla-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-vllm lint bench format clean
+.PHONY: demo test test-vllm lint bench bench-dcp format clean
 
 $(STAMP): pyproject.toml
 	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if (torch.version.hip or torch.version.cuda) else 1)" 2>/dev/null; then \
@@ -57,6 +58,10 @@ bench: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib
 	$(PY) -m benchmarks.cpu_decode
 	$(PY) -m benchmarks.kernel_roofline
+
+bench-dcp: $(STAMP)
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib
+	$(PY) -m benchmarks.dcp_scaling
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -115,18 +115,31 @@ def torch_mla_decode(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor
 
 
 @torch.no_grad()
-def torch_merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact LSE merge of N partial attentions; see ``rocm_mla.merge_states``."""
+def lse_merge_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact LSE merge, as weights: the one place its formula is written.
+
+    ``lses [N, ...rows]`` -> (``weights [N, ...rows]`` = ``exp(lse_n - logsumexp_m lse_m)``,
+    merged ``lse [...rows]`` float32). A NaN or +inf lse is a broken partial (an empty
+    shard's 0/0) and, like -inf, gets weight exactly 0; a row with no usable partial gets all
+    weights 0 and lse -inf.
+    """
     lse = lses.to(torch.float32)
-    # A NaN or +inf lse is a broken partial (an empty shard's 0/0): it contributes nothing.
     lse = torch.where(torch.isnan(lse) | (lse == math.inf), -math.inf, lse)
     top = lse.amax(dim=0)
     ref = torch.where(top == -math.inf, 0.0, top)
-    weights = torch.exp(lse - ref)  # [N, ...rows]; exactly 0 for -inf partials
+    weights = torch.exp(lse - ref)  # exactly 0 for -inf partials
     total = weights.sum(dim=0)
-    contrib = torch.where(weights[..., None] > 0, outs.to(torch.float32), 0.0)
-    merged = (contrib * weights[..., None]).sum(dim=0)
     seen = total > 0
-    out = torch.where(seen[..., None], merged / total.clamp(min=1e-30)[..., None], 0.0)
-    out_lse = torch.where(seen, ref + torch.log(total.clamp(min=1e-30)), -math.inf)
-    return out.to(outs.dtype), out_lse
+    weights = weights / torch.where(seen, total, 1.0)
+    merged = torch.where(seen, ref + torch.log(torch.where(seen, total, 1.0)), -math.inf)
+    return weights, merged
+
+
+@torch.no_grad()
+def torch_merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact LSE merge of N partial attentions; see ``rocm_mla.merge_states``."""
+    weights, lse = lse_merge_weights(lses)
+    # Partials with weight 0 are never read: their outputs may be NaN.
+    contrib = torch.where(weights[..., None] > 0, outs.to(torch.float32), 0.0)
+    out = (contrib * weights[..., None]).sum(dim=0)
+    return out.to(outs.dtype), lse
