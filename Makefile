@@ -1,6 +1,6 @@
 # The README's commands. Each creates .venv when needed and installs what it needs.
 #
-#   make demo        decode demo over a random paged latent cache
+#   make demo        tiny Kimi-K3 generated over pp=2 x tp=2 x dcp=2 (4 CPU processes) vs one process; prints "identical"
 #   make test        lint + the pytest suite (CPU; GPU tests skip with their reason)
 #   make lint        ruff + hadolint (Dockerfile) + shellcheck (*.sh) + actionlint (workflows)
 #   make bench       CPU decode + kernel roofline benchmarks (JSON + PNG under benchmarks/results/)

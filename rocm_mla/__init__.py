@@ -5,4 +5,21 @@ from rocm_mla.contract import normalize_cp
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "available_backends", "merge_states", "mla_decode", "normalize_cp"]
+__all__ = [
+    "LLM",
+    "__version__",
+    "available_backends",
+    "merge_states",
+    "mla_decode",
+    "normalize_cp",
+]
+
+
+def __getattr__(name: str):
+    # The engine (models, torch.distributed, multiprocessing) loads on first use of LLM, so
+    # `import rocm_mla` stays light for kernel users.
+    if name == "LLM":
+        from rocm_mla.engine import LLM
+
+        return LLM
+    raise AttributeError(f"module 'rocm_mla' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""``rocm-mla``: info | demo | make-tiny | bench."""
+"""``rocm-mla``: info | demo | generate | make-tiny | bench."""
 
 from __future__ import annotations
 
@@ -12,15 +12,12 @@ from pathlib import Path
 
 import torch
 
-from rocm_mla.api import mla_decode
 from rocm_mla.backends import (
     BACKEND_NAMES,
     ENV_VAR,
     backend_class,
     requested_backend,
-    select_backend,
 )
-from rocm_mla.inputs import prepare_decode
 from rocm_mla.platform import current_platform, package_version, torch_build
 
 #: Environment variables that change what this package does.
@@ -95,56 +92,117 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dense_reference(q, kv_cache, block_table, lens, head_dim_v):
-    """float64 attention over each request's gathered rows (the demo's independent check)."""
-    batch, _, _, dim = q.shape
-    rows = kv_cache[block_table.long()].reshape(batch, -1, dim).double()
-    pos = torch.arange(rows.shape[1])
-    scores = torch.einsum("bhd,bnd->bhn", q[:, 0].double(), rows) * dim**-0.5
-    scores = scores.masked_fill(pos[None, None, :] >= lens[:, None, None], float("-inf"))
-    out = torch.einsum("bhn,bnd->bhd", torch.softmax(scores, -1), rows[..., :head_dim_v])
-    return out[:, None]
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
+
+
+def _tokenizer(model_dir: str):
+    """A tokenizer stored in the checkpoint directory, loaded offline, or None if there is none."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
+    if not any((Path(model_dir) / n).exists() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        pp=args.pp,
+        tp=args.tp,
+        dcp=args.dcp,
+        dcp_interleave=args.dcp_interleave,
+        backend=args.backend,
+        dtype=args.dtype,
+        block_size=args.block_size,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from rocm_mla.engine import LLM
+
+    prompts = [_parse_ids(p) for p in args.prompt_ids]
+    start = time.perf_counter()
+    llm = LLM(
+        args.model,
+        **_engine_kwargs(args),
+        num_blocks=args.num_blocks,
+        launcher="torchrun" if args.torchrun else "spawn",
+    )
+    with llm:
+        loaded = time.perf_counter()
+        outputs = llm.generate(
+            prompts, args.max_new_tokens, args.temperature, eos_token_id=args.eos_token_id
+        )
+        elapsed = time.perf_counter() - loaded
+    if args.torchrun and int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    tokenizer = _tokenizer(args.model)
+    layout = f"pp={args.pp} tp={args.tp} dcp={args.dcp} interleave={args.dcp_interleave}"
+    print(f"{args.model} ({layout}): loaded in {loaded - start:.1f} s")
+    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+        print(f"[{i}] prompt {prompt} -> {out}")
+        if tokenizer is not None:
+            print(f"    text: {tokenizer.decode(prompt + out)!r}")
+    if tokenizer is None:
+        print(f"(no tokenizer files in {args.model}: ids only)")
+    total = sum(len(o) for o in outputs)
+    print(f"{total} new tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s")
+    return 0
+
+
+#: The demo's batch: mixed lengths, down to one token (shorter than any dcp * interleave > 1).
+DEMO_PROMPTS = [[5, 17, 33, 2, 9, 41, 7, 60, 12, 3, 77, 31], [100, 4, 8], [250], [9] * 21]
+
+
+def _run_demo_engine(path: str, max_new: int, **kwargs) -> tuple[list[list[int]], float, float]:
+    from rocm_mla.engine import LLM
+
+    start = time.perf_counter()
+    with LLM(path, **kwargs) as llm:
+        loaded = time.perf_counter()
+        outputs = llm.generate(DEMO_PROMPTS, max_new)
+        elapsed = time.perf_counter() - loaded
+    return outputs, loaded - start, elapsed
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    gen = torch.Generator().manual_seed(0)
-    batch, heads, block, dim, dv = args.batch, args.heads, 16, 576, 512
-    lens = torch.randint(1, args.context + 1, (batch,), generator=gen, dtype=torch.int32)
-    blocks_per_req = -(-args.context // block)
-    num_blocks = batch * blocks_per_req
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    kv = torch.randn(num_blocks, block, dim, generator=gen)
-    table = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_req).to(torch.int32)
-    q = torch.randn(batch, 1, heads, dim, generator=gen)
-    inputs = [t.to(device) for t in (q, kv, table, lens)]
-    problem = prepare_decode(*inputs, head_dim_v=dv, softmax_scale=None, causal=True, kv_scale=None)
-    chosen = select_backend(args.backend, problem).name
-    print(
-        f"decode demo on {current_platform()}: backend {requested_backend(args.backend)} "
-        f"-> {chosen}"
-    )
-    print(
-        f"  q {tuple(q.shape)}, paged kv_cache {tuple(kv.shape)} (block {block}), "
-        f"block_table {tuple(table.shape)} shuffled, cache_seqlens {lens.tolist()}"
-    )
+    import tempfile
 
-    out, lse = mla_decode(*inputs, backend=args.backend)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(args.repeats):
-        out, lse = mla_decode(*inputs, backend=args.backend)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    elapsed = (time.perf_counter() - start) / args.repeats
-    ref = _dense_reference(q, kv, table, lens, dv)
-    err = (out.cpu().double() - ref).abs().max().item()
-    print(f"  out {tuple(out.shape)} {out.dtype}, lse {tuple(lse.shape)} {lse.dtype}")
-    print(f"  time per decode: {elapsed * 1e3:.2f} ms (mean of {args.repeats})")
-    print(f"  max |out - float64 dense reference|: {err:.2e}")
-    if not err < 1e-4:
-        print("  FAILED: error above 1e-4", file=sys.stderr)
-        return 1
+    from rocm_mla.models.kimi_k3 import make_tiny
+
+    kwargs = _engine_kwargs(args)
+    layout = f"pp={args.pp}, tp={args.tp}, dcp={args.dcp} (interleave {args.dcp_interleave})"
+    with tempfile.TemporaryDirectory(prefix="rocm-mla-demo-") as tmp:
+        path = str(make_tiny("kimi_k3", Path(tmp) / "kimi_k3-tiny"))
+        print(f"tiny Kimi-K3 checkpoint (make-tiny): {path}")
+        print(f"batch of {len(DEMO_PROMPTS)} prompts, lengths {[len(p) for p in DEMO_PROMPTS]}, "
+              f"{args.max_new_tokens} new tokens each, greedy")  # fmt: skip
+        runs = {}
+        for name, run_kwargs in (
+            ("single process", {**kwargs, "pp": 1, "tp": 1, "dcp": 1, "dcp_interleave": 1}),
+            (f"{args.pp * args.tp} processes, {layout}", kwargs),
+        ):
+            outputs, load_s, gen_s = _run_demo_engine(path, args.max_new_tokens, **run_kwargs)
+            total = sum(len(o) for o in outputs)
+            print(f"\n{name}: started in {load_s:.1f} s, {total / gen_s:.1f} tokens/s")
+            for i, out in enumerate(outputs):
+                print(f"  [{i}] {out}")
+            runs[name] = outputs
+    single, split = runs.values()
+    for i, (a, b) in enumerate(zip(single, split, strict=True)):
+        if a != b:
+            pos = next(
+                (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)),
+            )
+            print(f"\nMISMATCH: prompt {i}, new token {pos}: single process {a[pos:pos + 1]}, "
+                  f"split {b[pos:pos + 1]}", file=sys.stderr)  # fmt: skip
+            return 1
+    print("\nidentical")
     return 0
 
 
@@ -159,6 +217,7 @@ BENCHMARKS = {
     "cpu": "benchmarks.cpu_decode",
     "kernel": "benchmarks.kernel_roofline",
     "dcp": "benchmarks.dcp_scaling",
+    "e2e": "benchmarks.e2e",
 }
 
 
@@ -178,6 +237,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_args(p: argparse.ArgumentParser, pp: int, tp: int, dcp: int) -> None:
+    p.add_argument("--pp", type=int, default=pp, help="pipeline stages")
+    p.add_argument("--tp", type=int, default=tp, help="tensor-parallel ranks per stage")
+    p.add_argument("--dcp", type=int, default=dcp, help="decode context parallel size (divides tp)")
+    p.add_argument("--dcp-interleave", type=int, default=1)
+    p.add_argument("--backend", default=None, help="auto|aiter|triton|torch (default: env/auto)")
+    p.add_argument("--dtype", default=None, help="float32|float16|bfloat16 (default: checkpoint)")
+    p.add_argument("--block-size", type=int, default=16)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rocm-mla", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -186,13 +255,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("demo", help="decode a random paged latent cache and check it")
-    p.add_argument("--backend", default=None, help="auto|aiter|triton|torch (default: env/auto)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=5)
+    p = sub.add_parser(
+        "demo",
+        help="tiny Kimi-K3 split over pp x tp x dcp processes vs one process: identical?",
+    )
+    _engine_args(p, pp=2, tp=2, dcp=2)
+    p.add_argument("--max-new-tokens", type=int, default=8)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="greedy/sampled generation from a checkpoint directory")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument(
+        "--prompt-ids", action="append", required=True, help="comma-separated ids (repeatable)"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--eos-token-id", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per layer per rank")
+    p.add_argument("--torchrun", action="store_true", help="this is one rank of a torchrun launch")
+    _engine_args(p, pp=1, tp=1, dcp=1)
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
         "make-tiny", help="write a random tiny Kimi checkpoint (config + safetensors)"

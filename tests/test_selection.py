@@ -89,10 +89,13 @@ def test_cli_info_json_and_text(capsys, monkeypatch):
     assert "platform:" in text and "torch:" in text
 
 
-def test_cli_demo_runs_and_checks_error(capsys):
-    assert main(["demo", "--context", "200", "--repeats", "1", "--backend", "torch"]) == 0
+def test_cli_demo_split_model_is_identical_to_single_process(capsys):
+    """The demo's model split (here 2 pipeline stages, to keep it quick) reproduces the
+    single-process tokens, and says so."""
+    assert main(["demo", "--pp", "2", "--tp", "1", "--dcp", "1", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
-    assert "backend torch -> torch" in out and "max |out - float64 dense reference|" in out
+    assert "single process:" in out and "2 processes, pp=2, tp=1, dcp=1" in out
+    assert out.rstrip().endswith("identical") and "tokens/s" in out
 
 
 def test_cli_bad_backend_is_an_error_not_a_traceback():

@@ -1,1 +1,7 @@
 """Paged caches, the runner (single producer of step metadata), workers and the LLM front end."""
+
+from rocm_mla.distributed import WorkerError
+from rocm_mla.engine.cache import CacheFullError
+from rocm_mla.engine.llm import LLM
+
+__all__ = ["LLM", "CacheFullError", "WorkerError"]

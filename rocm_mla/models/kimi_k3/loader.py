@@ -122,12 +122,14 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     backend: str | None = None,
+    dcp_group: torch.distributed.ProcessGroup | None = None,
 ) -> KimiK3ForCausalLM:
     """Build this stage/rank's model and fill it from the checkpoint directory ``path``.
 
     Args:
         path: directory with ``config.json`` and safetensors (single or sharded + index).
-        pp_rank, pp_size, tp_rank, tp_size, all_reduce, backend: as ``KimiK3ForCausalLM``.
+        pp_rank, pp_size, tp_rank, tp_size, all_reduce, backend, dcp_group: as
+            ``KimiK3ForCausalLM``.
         dtype: parameter dtype (default: the checkpoint's); the router and KDA decay
             parameters stay fp32.
         device: where the parameters live.
@@ -141,7 +143,7 @@ def load_model(
     with torch.device("meta"):
         model = KimiK3ForCausalLM(
             config, pp_rank=pp_rank, pp_size=pp_size, tp_rank=tp_rank, tp_size=tp_size,
-            all_reduce=all_reduce, backend=backend,
+            all_reduce=all_reduce, backend=backend, dcp_group=dcp_group,
         )  # fmt: skip
     model.to_empty(device=device)
     params = dict(model.named_parameters())

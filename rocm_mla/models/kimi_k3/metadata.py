@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rocm_mla.dcp import DecodeMetadata
+
 
 @dataclass
 class ForwardMetadata:
@@ -24,6 +26,9 @@ class ForwardMetadata:
             each new token (the same for every MLA layer of a stage).
         block_tables: ``[B, max_blocks]`` int32, the request's cache blocks in order.
         state_slots: ``[B]`` int64, each request's row in the KDA conv/recurrent state caches.
+        dcp: with decode context parallelism, the runner's ``DecodeMetadata`` for this rank
+            (``DecodeMetadata.build``: rank-local lengths of every query row); None without
+            DCP. ``slot_mapping`` is then rank-local too: -1 for tokens another rank owns.
     """
 
     positions: torch.Tensor
@@ -32,6 +37,7 @@ class ForwardMetadata:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     state_slots: torch.Tensor
+    dcp: DecodeMetadata | None = None
 
     @property
     def num_new(self) -> list[int]:

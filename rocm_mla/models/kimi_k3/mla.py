@@ -6,7 +6,11 @@ to cached tokens (decode, chunked prefill) runs the absorbed form through
 ``rocm_mla.mla_decode``: ``q_nope`` is folded into latent space with ``W_UK`` and the latent
 output is expanded with ``W_UV``, both precomputed once by ``absorb_weights()``.
 Tensor parallelism shards heads (q, kv_b, g rows; o_proj columns); the latent projections
-are replicated.
+are replicated. With a decode-context-parallel group the cache is sharded by token: each rank
+writes only the tokens the runner's slot mapping gives it (-1 elsewhere) and decodes through
+``rocm_mla.dcp.dcp_mla_decode`` with the runner's rank-local lengths. An fp8 cache stores the
+latent rows at a fixed per-tensor scale of 1 (they are RMS-normalized, well inside e4m3's range)
+and the query stays in the model dtype.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from rocm_mla.api import mla_decode
+from rocm_mla.dcp import RUNNER_CONTRACT, DecodeMetadata, dcp_mla_decode
+from rocm_mla.inputs import FP8_DTYPES
 from rocm_mla.models.kimi_k3.config import KimiK3Config
 from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
 from rocm_mla.models.kimi_k3.ops import AllReduce, RMSNorm, apply_rope, identity_reduce
@@ -32,6 +39,7 @@ class MultiHeadLatentAttention(nn.Module):
         tp_size: int = 1,
         all_reduce: AllReduce | None = None,
         backend: str | None = None,
+        dcp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         d = config.hidden_size
@@ -60,6 +68,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.rope_theta = config.rope_theta
         self.scale = config.softmax_scale
         self.backend = backend
+        self.dcp_group = dcp_group
+        self.dcp_size = 1 if dcp_group is None else dist.get_world_size(dcp_group)
         self.all_reduce = all_reduce or identity_reduce
         self.w_uk_t: torch.Tensor | None = None
         self.w_uv: torch.Tensor | None = None
@@ -116,25 +126,51 @@ class MultiHeadLatentAttention(nn.Module):
         kv_cache: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
+        dcp: DecodeMetadata | None = None,
     ) -> torch.Tensor:
-        """Absorbed form: ``q [B, S, H, qk]`` over the paged latent cache -> ``[B, S, H, dv]``."""
+        """Absorbed form: ``q [B, S, H, qk]`` over the paged latent cache -> ``[B, S, H, dv]``.
+
+        With a DCP group of more than one rank, ``dcp`` (the runner's metadata for this rank)
+        is required: the layer never derives rank-local lengths itself.
+        """
         if self.w_uk_t is None or self.w_uv is None:
             raise RuntimeError(
                 "MLA decode needs the absorbed weights: call model.absorb_weights() after the "
                 "weights are loaded (the checkpoint loader does this)"
             )
+        fp8 = kv_cache.dtype in FP8_DTYPES
         q_latent = torch.einsum("bshn,hnr->bshr", q[..., : self.nope], self.w_uk_t)
-        mqa_q = torch.cat([q_latent, q[..., self.nope :]], dim=-1).to(kv_cache.dtype)
-        out, _ = mla_decode(
-            mqa_q,
-            kv_cache,
-            block_tables,
-            seq_lens.to(device=kv_cache.device, dtype=torch.int32),
-            head_dim_v=self.kv_lora_rank,
-            softmax_scale=self.scale,
-            causal=True,
-            backend=self.backend,
-        )
+        mqa_q = torch.cat([q_latent, q[..., self.nope :]], dim=-1)
+        mqa_q = mqa_q if fp8 else mqa_q.to(kv_cache.dtype)
+        kv_scale = 1.0 if fp8 else None
+        if self.dcp_size > 1:
+            if dcp is None:
+                raise ValueError(
+                    f"MLA decode with a DCP group of {self.dcp_size} ranks got no "
+                    f"ForwardMetadata.dcp; {RUNNER_CONTRACT}"
+                )
+            out = dcp_mla_decode(
+                mqa_q,
+                kv_cache,
+                dcp,
+                self.dcp_group,
+                self.backend,
+                head_dim_v=self.kv_lora_rank,
+                softmax_scale=self.scale,
+                kv_scale=kv_scale,
+            )
+        else:
+            out, _ = mla_decode(
+                mqa_q,
+                kv_cache,
+                block_tables,
+                seq_lens.to(device=kv_cache.device, dtype=torch.int32),
+                head_dim_v=self.kv_lora_rank,
+                softmax_scale=self.scale,
+                causal=True,
+                backend=self.backend,
+                kv_scale=kv_scale,
+            )
         return torch.einsum("bshr,hrv->bshv", out.to(q.dtype), self.w_uv)
 
     def forward(
@@ -146,7 +182,10 @@ class MultiHeadLatentAttention(nn.Module):
         """
         q, latent, k_pe = self.project(x, meta.positions)
         rows = kv_cache.view(-1, kv_cache.shape[-1])
-        rows[meta.slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(kv_cache.dtype)
+        # Under DCP the runner maps tokens another rank owns to -1; this rank skips them.
+        owned = meta.slot_mapping >= 0
+        new_rows = torch.cat([latent, k_pe], dim=-1)
+        rows[meta.slot_mapping[owned]] = new_rows[owned].to(kv_cache.dtype)
         num_new, context = meta.num_new, meta.context_lens
         starts = meta.query_start_loc.tolist()
         if all(c == 0 for c in context):
@@ -159,8 +198,18 @@ class MultiHeadLatentAttention(nn.Module):
         elif len(set(num_new)) == 1:
             n = num_new[0]
             out = self.attend_cached(
-                q.view(len(num_new), n, *q.shape[1:]), kv_cache, meta.block_tables, meta.seq_lens
+                q.view(len(num_new), n, *q.shape[1:]),
+                kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.dcp,
             ).flatten(0, 1)
+        elif self.dcp_size > 1:
+            raise ValueError(
+                f"MLA with a DCP group of {self.dcp_size} ranks attends cached context only for "
+                f"a uniform number of new tokens per request (decode), got {num_new}; prefill "
+                "whole prompts in one step"
+            )
         else:
             out = torch.cat(
                 [

@@ -80,13 +80,16 @@ class DecoderLayer(nn.Module):
         tp_size: int,
         all_reduce: AllReduce | None,
         backend: str | None,
+        dcp_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.layer = layer
         self.is_mla = config.is_mla(layer)
         if self.is_mla:
-            self.self_attn = MultiHeadLatentAttention(config, tp_size, all_reduce, backend)
+            self.self_attn = MultiHeadLatentAttention(
+                config, tp_size, all_reduce, backend, dcp_group
+            )
         else:
             self.self_attn = KimiDeltaAttention(config, tp_size, all_reduce)
         if config.is_moe(layer):
@@ -177,6 +180,7 @@ class KimiLinearModel(nn.Module):
         tp_size: int,
         all_reduce: AllReduce | None,
         backend: str | None,
+        dcp_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         d = config.hidden_size
@@ -184,7 +188,7 @@ class KimiLinearModel(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.layers = nn.ModuleDict(
             {
-                str(i): DecoderLayer(config, i, tp_size, all_reduce, backend)
+                str(i): DecoderLayer(config, i, tp_size, all_reduce, backend, dcp_group)
                 for i in range(*layer_range)
             }
         )
@@ -205,6 +209,8 @@ class KimiK3ForCausalLM(nn.Module):
         all_reduce: a callable summing a tensor over the TP group, or the TP
             ``torch.distributed`` process group itself; required when ``tp_size > 1``.
         backend: MLA decode backend name for ``rocm_mla.mla_decode`` (None = auto).
+        dcp_group: the decode-context-parallel group (a subgroup of the TP group) whose ranks
+            each cache a token shard; None (or a group of one) for no DCP.
     """
 
     def __init__(
@@ -217,6 +223,7 @@ class KimiK3ForCausalLM(nn.Module):
         tp_size: int = 1,
         all_reduce: AllReduce | torch.distributed.ProcessGroup | None = None,
         backend: str | None = None,
+        dcp_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         all_reduce = as_all_reduce(all_reduce)
@@ -230,7 +237,14 @@ class KimiK3ForCausalLM(nn.Module):
         self.layer_range = pp_layer_range(config.num_hidden_layers, pp_rank, pp_size)
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
         self.model = KimiLinearModel(
-            config, self.layer_range, self.is_first, self.is_last, tp_size, all_reduce, backend
+            config,
+            self.layer_range,
+            self.is_first,
+            self.is_last,
+            tp_size,
+            all_reduce,
+            backend,
+            dcp_group,
         )
         if self.is_last:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -248,17 +262,23 @@ class KimiK3ForCausalLM(nn.Module):
         num_state_slots: int,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> StageCaches:
-        """Zeroed caches for this stage's layers (KDA recurrent state always fp32)."""
+        """Zeroed caches for this stage's layers (KDA recurrent state always fp32).
+
+        ``dtype`` (default: the parameters') is the conv state's and, unless ``kv_dtype``
+        says otherwise (e.g. an fp8 latent cache), the latent KV cache's.
+        """
         ref = next(self.parameters())
         dtype = dtype or ref.dtype
+        kv_dtype = kv_dtype or dtype
         device = device or ref.device
         caches = StageCaches()
         for i, layer in self.model.layers.items():
             if layer.is_mla:
                 width = self.config.kv_cache_dim
                 caches.kv[int(i)] = torch.zeros(
-                    num_blocks, block_size, width, dtype=dtype, device=device
+                    num_blocks, block_size, width, dtype=kv_dtype, device=device
                 )
             else:
                 conv_shape, rec_shape = layer.self_attn.state_shapes()

@@ -1,0 +1,167 @@
+"""The runner: the one place that turns requests into per-step forward metadata.
+
+Positions, slot mappings, block tables, ``seq_lens`` and the DCP rank-local lengths are
+computed here and nowhere else (DESIGN.md contract 2): the slot mapping and the local
+lengths come from ``rocm_mla.dcp`` (``slot_mapping``, ``DecodeMetadata.build``), never
+re-derived. Every rank holds an identical ``Runner`` fed the same requests in the same order,
+so block ids and state slots agree across ranks; only the DCP rank changes what a rank writes
+(its own tokens) and reads (its own shard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rocm_mla.dcp import DecodeMetadata, slot_mapping
+from rocm_mla.engine.cache import FreeList, blocks_for
+from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
+
+
+@dataclass
+class Request:
+    """One sequence: its tokens so far, its cache blocks and its KDA state slot.
+
+    ``tokens`` is the prompt followed by the generated tokens; ``num_cached`` of them have
+    been written to the caches (the newest generated token has not, until the next step).
+    """
+
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    max_new_tokens: int
+    slot: int
+    blocks: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    finished: bool = False
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+class Runner:
+    """Request state and step metadata for one rank.
+
+    Args:
+        num_blocks: physical KV blocks per MLA layer on this rank (``LLM(num_blocks=)``).
+        block_size: tokens per physical block.
+        max_num_seqs: KDA state slots, i.e. requests in flight at once (``LLM(max_num_seqs=)``).
+        dcp_size, dcp_rank, dcp_interleave: this rank's decode-context-parallel layout.
+        device: where the metadata tensors live.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        dcp_size: int = 1,
+        dcp_rank: int = 0,
+        dcp_interleave: int = 1,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if block_size % dcp_interleave:
+            raise ValueError(
+                f"block_size: {block_size} must be a multiple of dcp_interleave="
+                f"{dcp_interleave} (an interleave run of tokens must not straddle two blocks)"
+            )
+        self.blocks = FreeList(num_blocks, "KV cache blocks", "num_blocks")
+        self.slots = FreeList(max_num_seqs, "sequence slots (KDA state rows)", "max_num_seqs")
+        self.block_size = block_size
+        self.dcp_size, self.dcp_rank, self.dcp_interleave = dcp_size, dcp_rank, dcp_interleave
+        self.device = torch.device(device)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return blocks_for(num_tokens, self.block_size, self.dcp_size)
+
+    def admit(self, prompts: list[list[int]], max_new_tokens: int) -> list[Request]:
+        """Take a batch of prompts: state slots and prompt blocks now, the rest as they grow.
+
+        The whole batch's worst case (every request running to ``max_new_tokens``) must fit,
+        so a step can never run out of blocks halfway; otherwise ``CacheFullError`` says how
+        many blocks were needed, how many exist, and which ``LLM`` argument raises the limit.
+        Nothing is allocated when it raises.
+        """
+        # The last generated token is sampled, never fed back, so it takes no cache row.
+        worst = [len(p) + max(max_new_tokens - 1, 0) for p in prompts]
+        need = sum(self.blocks_needed(n) for n in worst)
+        context = (
+            f"a batch of {len(prompts)} requests of up to {max(worst)} cached tokens each "
+            f"(block_size {self.block_size}"
+            + (f" x dcp {self.dcp_size} per block-table column" if self.dcp_size > 1 else "")
+            + ")"
+        )
+        self.blocks.check_fits(need, context)
+        self.slots.check_fits(len(prompts), f"a batch of {len(prompts)} requests")
+        requests = []
+        for i, prompt in enumerate(prompts):
+            (slot,) = self.slots.allocate(1, f"request {i}")
+            req = Request(i, list(prompt), len(prompt), max_new_tokens, slot)
+            req.blocks = self.blocks.allocate(self.blocks_needed(len(prompt)), context)
+            requests.append(req)
+        return requests
+
+    def finish(self, req: Request) -> None:
+        """Return a finished request's blocks and state slot to the pools."""
+        if not req.finished:
+            self.blocks.free(req.blocks)
+            self.slots.free([req.slot])
+            req.blocks, req.finished = [], True
+
+    def prefill(self, requests: list[Request]) -> tuple[ForwardMetadata, torch.Tensor]:
+        """Metadata and ``input_ids [T]`` for the whole prompts of fresh requests."""
+        return self._step(requests, [r.prompt_len for r in requests])
+
+    def decode(self, requests: list[Request]) -> tuple[ForwardMetadata, torch.Tensor]:
+        """Metadata and ``input_ids [B]`` feeding each request its newest token."""
+        for req in requests:
+            grow = self.blocks_needed(len(req.tokens)) - len(req.blocks)
+            req.blocks += self.blocks.allocate(grow, f"request {req.index}")
+        return self._step(requests, [1] * len(requests))
+
+    def _step(
+        self, requests: list[Request], num_new: list[int]
+    ) -> tuple[ForwardMetadata, torch.Tensor]:
+        ids, positions, req_indices, starts = [], [], [], [0]
+        for b, (req, n) in enumerate(zip(requests, num_new, strict=True)):
+            ctx = req.num_cached
+            ids += req.tokens[ctx : ctx + n]
+            positions += range(ctx, ctx + n)
+            req_indices += [b] * n
+            starts.append(starts[-1] + n)
+            req.num_cached = ctx + n
+        width = max(len(r.blocks) for r in requests)
+        table = torch.zeros(len(requests), width, dtype=torch.int32)
+        for b, req in enumerate(requests):
+            table[b, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
+        dev = self.device
+        table = table.to(dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        seq_lens = torch.tensor([r.num_cached for r in requests], dtype=torch.int32, device=dev)
+        slots = slot_mapping(
+            pos,
+            torch.tensor(req_indices, dtype=torch.int64, device=dev),
+            table,
+            self.block_size,
+            self.dcp_size,
+            self.dcp_rank,
+            self.dcp_interleave,
+        )
+        decoding = any(r.num_cached > n for r, n in zip(requests, num_new, strict=True))
+        dcp = None
+        if self.dcp_size > 1 and decoding:
+            dcp = DecodeMetadata.build(
+                table, seq_lens, num_new[0], self.dcp_size, self.dcp_rank, self.dcp_interleave
+            )
+        meta = ForwardMetadata(
+            positions=pos,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=seq_lens,
+            slot_mapping=slots,
+            block_tables=table,
+            state_slots=torch.tensor([r.slot for r in requests], dtype=torch.int64, device=dev),
+            dcp=dcp,
+        )
+        return meta, torch.tensor(ids, dtype=torch.int64, device=dev)

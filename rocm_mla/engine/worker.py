@@ -1,0 +1,305 @@
+"""Stage workers: one per (PP stage, TP rank), all running the same generate loop (SPMD).
+
+Each worker holds its stage's model shard, that stage's caches and an identical ``Runner``.
+A generate call runs on every rank with the same arguments: the first stage embeds, every
+stage hands its ``StageIO`` (hidden state + residual, or with Attention Residuals the
+open block and the bank of completed blocks) to the same TP rank of the next stage with
+point-to-point ``send``/``recv``, the last stage samples on its first TP rank and broadcasts
+the new tokens to every rank, so all runners advance in lockstep. TP all-reduces and the DCP
+decode run inside the model on the groups of ``rocm_mla.distributed``.
+
+``serve`` is the long-lived process body that ``LLM`` starts through
+``rocm_mla.distributed.launch``; under ``torchrun`` every process builds a ``StageWorker``
+itself (``LLM(..., launcher="torchrun")``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rocm_mla.distributed import ParallelState
+from rocm_mla.engine.cache import CacheFullError, resolve_cache_dtype
+from rocm_mla.engine.runner import Request, Runner
+from rocm_mla.models.kimi_k3 import KimiK3ForCausalLM, StageIO, load_model
+from rocm_mla.models.kimi_k3.attn_res import closes_block
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Everything a worker needs besides the checkpoint path (picklable, sent at spawn)."""
+
+    pp: int = 1
+    tp: int = 1
+    dcp: int = 1
+    dcp_interleave: int = 1
+    backend: str | None = None
+    dtype: torch.dtype | None = None
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 16
+    kv_cache_dtype: str | torch.dtype | None = None
+    seed: int = 0
+
+
+def _model_dtype(model: KimiK3ForCausalLM) -> torch.dtype:
+    """The activations' dtype (norm weights follow the load dtype; routers stay fp32)."""
+    return next(iter(model.model.layers.values())).input_layernorm.weight.dtype
+
+
+class StageComm:
+    """Point-to-point stage handoff and the sampler's broadcast, on the world group."""
+
+    def __init__(self, state: ParallelState, model: KimiK3ForCausalLM) -> None:
+        tp, rank = state.layout.tp, state.rank
+        self.prev = rank - tp if not model.is_first else None
+        self.next = rank + tp if not model.is_last else None
+        self.sampler = (state.layout.pp - 1) * tp
+        self.rank = rank
+        config = model.config
+        self.hidden_size = config.hidden_size
+        self.dtype = _model_dtype(model)
+        self.device = state.device
+        start = model.layer_range[0]
+        block = config.attn_res_block_size
+        # The bank a stage receives holds the blocks closed by every earlier layer.
+        self.bank_blocks = (
+            None if block is None else sum(closes_block(layer, block) for layer in range(start))
+        )
+
+    def recv(self, num_tokens: int) -> StageIO:
+        """The previous stage's ``StageIO`` for ``num_tokens`` packed tokens."""
+        d = self.hidden_size
+        hidden = torch.empty(num_tokens, d, dtype=self.dtype, device=self.device)
+        if self.bank_blocks is None:
+            residual = torch.empty(num_tokens, d, dtype=self.dtype, device=self.device)
+        else:
+            residual = torch.empty(
+                num_tokens, self.bank_blocks, d, dtype=self.dtype, device=self.device
+            )
+        dist.recv(hidden, src=self.prev)
+        if residual.numel():
+            dist.recv(residual, src=self.prev)
+        return StageIO(hidden, residual)
+
+    def send(self, io: StageIO) -> None:
+        dist.send(io.hidden.contiguous(), dst=self.next)
+        if io.residual is not None and io.residual.numel():
+            dist.send(io.residual.contiguous(), dst=self.next)
+
+    def share_tokens(self, ids: torch.Tensor | None, count: int) -> torch.Tensor:
+        """The sampler's ``count`` new token ids ``[count]`` int64, on every rank."""
+        if ids is None:
+            ids = torch.empty(count, dtype=torch.int64, device=self.device)
+        dist.broadcast(ids, src=self.sampler)
+        return ids
+
+    def share_object(self, obj: Any) -> Any:
+        """The sampler's ``obj`` on every rank (for results only the last stage has)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.sampler)
+        return box[0]
+
+
+class StageWorker:
+    """One rank's model shard, caches and runner; ``generate``/``score`` run on every rank.
+
+    Args:
+        model: this stage/TP rank's model (weights loaded, absorbed).
+        options: the engine options.
+        comm: the process-group transport; None when a single process holds the whole model.
+        dcp_rank: this rank's place in its DCP group.
+        device: where caches and metadata live.
+    """
+
+    def __init__(
+        self,
+        model: KimiK3ForCausalLM,
+        options: EngineOptions,
+        comm: StageComm | None = None,
+        dcp_rank: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.model, self.options, self.comm = model, options, comm
+        self.runner = Runner(
+            options.num_blocks,
+            options.block_size,
+            options.max_num_seqs,
+            options.dcp,
+            dcp_rank,
+            options.dcp_interleave,
+            device,
+        )
+        kv_dtype = resolve_cache_dtype(options.kv_cache_dtype, _model_dtype(model))
+        self.caches = model.make_caches(
+            options.num_blocks,
+            options.block_size,
+            options.max_num_seqs,
+            device=device,
+            kv_dtype=kv_dtype,
+        )
+        self.is_sampler = comm is None or comm.rank == comm.sampler
+        self.generator = torch.Generator(device=device).manual_seed(options.seed)
+
+    @classmethod
+    def load(
+        cls,
+        path: str,
+        options: EngineOptions,
+        state: ParallelState | None = None,
+        device: torch.device | str = "cpu",
+    ) -> StageWorker:
+        """Load this rank's shard of the checkpoint at ``path`` (``state`` None: all of it)."""
+        if state is None:
+            model = load_model(path, dtype=options.dtype, device=device, backend=options.backend)
+            return cls(model, options, None, 0, device)
+        dcp_group = state.dcp_group if options.dcp > 1 else None
+        model = load_model(
+            path,
+            pp_rank=state.pp_rank,
+            pp_size=options.pp,
+            tp_rank=state.tp_rank,
+            tp_size=options.tp,
+            all_reduce=state.tp_group if options.tp > 1 else None,
+            dtype=options.dtype,
+            device=state.device,
+            backend=options.backend,
+            dcp_group=dcp_group,
+        )
+        return cls(model, options, StageComm(state, model), state.dcp_rank, state.device)
+
+    def _forward(self, meta, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """This stage's part of one step; logits ``[T, vocab]`` on the last stage, else None."""
+        model = self.model
+        if model.is_first:
+            out = model(meta, self.caches, input_ids=input_ids)
+        else:
+            out = model(meta, self.caches, intermediate=self.comm.recv(input_ids.shape[0]))
+        if model.is_last:
+            return out
+        self.comm.send(out)
+        return None
+
+    def _next_tokens(
+        self, logits: torch.Tensor | None, count: int, temperature: float
+    ) -> list[int]:
+        """Sample ``count`` tokens from the last rows' logits ``[count, vocab]`` (present on
+        last-stage ranks) on the sampler; every rank gets them."""
+        ids = None
+        if self.is_sampler:
+            if temperature == 0.0:
+                ids = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits.float() / temperature, dim=-1)
+                ids = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        if self.comm is not None:
+            ids = self.comm.share_tokens(ids, count)
+        return ids.tolist()
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        eos_token_ids: Collection[int] = (),
+    ) -> list[list[int]]:
+        """New tokens per prompt; a request stops at EOS (kept) or ``max_new_tokens``.
+
+        Every rank calls this with the same arguments. A finished request's blocks and state
+        slot go back to the pools at once while the others keep decoding.
+        """
+        if max_new_tokens == 0:
+            return [[] for _ in prompts]
+        requests = self.runner.admit(prompts, max_new_tokens)
+        try:
+            meta, ids = self.runner.prefill(requests)
+            logits = self._forward(meta, ids)
+            last_rows = meta.query_start_loc[1:].long() - 1
+            new = self._next_tokens(
+                None if logits is None else logits[last_rows], len(requests), temperature
+            )
+            active = requests
+            while True:
+                still: list[Request] = []
+                for req, token in zip(active, new, strict=True):
+                    req.tokens.append(token)
+                    if token in eos_token_ids or len(req.output) == req.max_new_tokens:
+                        self.runner.finish(req)
+                    else:
+                        still.append(req)
+                active = still
+                if not active:
+                    break
+                meta, ids = self.runner.decode(active)
+                new = self._next_tokens(self._forward(meta, ids), len(active), temperature)
+        finally:
+            for req in requests:
+                self.runner.finish(req)
+        return [req.output for req in requests]
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]]) -> list[torch.Tensor] | None:
+        """Prefill logits ``[len, vocab]`` per prompt on last-stage ranks (None elsewhere)."""
+        requests = self.runner.admit(prompts, 0)
+        try:
+            meta, ids = self.runner.prefill(requests)
+            logits = self._forward(meta, ids)
+        finally:
+            for req in requests:
+                self.runner.finish(req)
+        if logits is None:
+            return None
+        return list(logits.split([len(p) for p in prompts]))
+
+
+#: Operations ``serve`` accepts from the front end.
+OPS = ("generate", "score", "fault", "stop")
+
+
+def serve(
+    state: ParallelState,
+    path: str,
+    options: EngineOptions,
+    inboxes: list,
+    replies: Any,
+) -> None:
+    """A worker process's life: load, report ready, then run commands until "stop".
+
+    Every rank reads the same commands from its own inbox; the sampler rank (first TP rank
+    of the last stage) replies. A ``CacheFullError`` is raised by the runner's admission on
+    every rank alike before any communication, so it is replied as a rejection and the
+    workers stay up; any other exception ends the process and ``launch`` names the rank.
+    """
+    torch.set_grad_enabled(False)
+    worker = StageWorker.load(path, options, state)
+    inbox = inboxes[state.rank]
+    replies.put(("ready", state.rank, os.getpid()))
+    fault_pending = False
+    while True:
+        op, args = inbox.get()
+        if op == "stop":
+            return
+        if op == "fault":
+            # Test hook: this rank raises at its next generate while the others block in
+            # the step's collectives, the way a real worker bug strands its peers.
+            fault_pending = args == state.rank
+            continue
+        if op not in OPS:
+            raise ValueError(f"serve: unknown operation {op!r}, expected one of {OPS}")
+        if fault_pending:
+            raise RuntimeError(f"injected fault on rank {state.rank} (LLM._inject_fault)")
+        try:
+            value = getattr(worker, op)(*args)
+        except CacheFullError as exc:
+            if worker.is_sampler:
+                replies.put(("rejected", state.rank, str(exc)))
+            continue
+        if worker.is_sampler:
+            replies.put(("result", state.rank, pickle.dumps(value)))
