@@ -174,13 +174,17 @@ class StageWorker:
         )
         return cls(model, options, StageComm(state, model), state.dcp_rank, state.device)
 
-    def _forward(self, meta, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """This stage's part of one step; logits ``[T, vocab]`` on the last stage, else None."""
+    def _forward(
+        self, meta, input_ids: torch.Tensor, logits_rows: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """This stage's part of one step; on the last stage the logits of ``logits_rows``
+        (``[R, vocab]``; all ``T`` rows when None), else None."""
         model = self.model
         if model.is_first:
-            out = model(meta, self.caches, input_ids=input_ids)
+            out = model(meta, self.caches, input_ids=input_ids, logits_rows=logits_rows)
         else:
-            out = model(meta, self.caches, intermediate=self.comm.recv(input_ids.shape[0]))
+            intermediate = self.comm.recv(input_ids.shape[0])
+            out = model(meta, self.caches, intermediate=intermediate, logits_rows=logits_rows)
         if model.is_last:
             return out
         self.comm.send(out)
@@ -220,11 +224,9 @@ class StageWorker:
         requests = self.runner.admit(prompts, max_new_tokens)
         try:
             meta, ids = self.runner.prefill(requests)
-            logits = self._forward(meta, ids)
             last_rows = meta.query_start_loc[1:].long() - 1
-            new = self._next_tokens(
-                None if logits is None else logits[last_rows], len(requests), temperature
-            )
+            logits = self._forward(meta, ids, last_rows)
+            new = self._next_tokens(logits, len(requests), temperature)
             active = requests
             while True:
                 still: list[Request] = []

@@ -296,6 +296,7 @@ class KimiK3ForCausalLM(nn.Module):
         caches: StageCaches,
         input_ids: torch.Tensor | None = None,
         intermediate: StageIO | None = None,
+        logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | StageIO:
         """Run this stage on ``T`` packed tokens.
 
@@ -304,9 +305,13 @@ class KimiK3ForCausalLM(nn.Module):
             caches: this stage's caches (``make_caches``).
             input_ids: ``[T]`` int64 token ids (first stage only).
             intermediate: the previous stage's ``StageIO`` (every other stage).
+            logits_rows: ``[R]`` indices of the tokens whose logits are wanted (last stage;
+                None: all). Generation needs only each request's last token, and the LM head
+                over every prompt token would be the most expensive GEMM of a prefill.
 
         Returns:
-            logits ``[T, vocab]`` on the last stage, else the ``StageIO`` for the next stage.
+            logits ``[T, vocab]`` (or ``[R, vocab]``) on the last stage, else the
+            ``StageIO`` for the next stage.
         """
         if self.is_first:
             if input_ids is None or intermediate is not None:
@@ -335,4 +340,6 @@ class KimiK3ForCausalLM(nn.Module):
                 io.residual, io.hidden, m.output_attn_res_norm.weight,
                 m.output_attn_res_proj.weight, self.config.rms_norm_eps,
             )  # fmt: skip
+        if logits_rows is not None:
+            h = h[logits_rows]
         return self.lm_head(self.model.norm(h))
