@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rocm_mla.models.kimi_k3 import mla as mla_module
 from rocm_mla.models.kimi_k3.attn_res import attn_res_mix
 from rocm_mla.models.kimi_k3.config import KimiK3Config
 from rocm_mla.models.kimi_k3.kda import KimiDeltaAttention, kda_chunked, kda_recurrent
@@ -288,3 +289,19 @@ def test_latent_moe_matches_manual_formula():
     shared = glu_activation(x @ sh.gate_proj.weight.t(), x @ sh.up_proj.weight.t(), "situ")
     expect = r @ moe.routed_expert_up_proj.weight.t() + shared @ sh.down_proj.weight.t()
     torch.testing.assert_close(moe(x), expect, atol=1e-5, rtol=1e-5)
+
+
+def test_mla_long_prefill_in_query_chunks_equals_one_call(monkeypatch):
+    """Prompts longer than PREFILL_QUERY_CHUNK attend in query chunks with the same result."""
+    cfg = KimiK3Config.tiny("kimi_linear")
+    layer = MultiHeadLatentAttention(cfg)
+    gen = torch.Generator().manual_seed(7)
+    n = 300
+    q = torch.randn(n, layer.num_heads, layer.nope + layer.rope, generator=gen)
+    latent = torch.randn(n, cfg.kv_lora_rank, generator=gen)
+    k_pe = torch.randn(n, layer.rope, generator=gen)
+    with torch.no_grad():
+        whole = layer.attend_fresh(q, latent, k_pe)
+        monkeypatch.setattr(mla_module, "PREFILL_QUERY_CHUNK", 64)
+        chunked = layer.attend_fresh(q, latent, k_pe)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)

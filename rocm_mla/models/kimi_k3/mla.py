@@ -29,6 +29,9 @@ from rocm_mla.models.kimi_k3.config import KimiK3Config
 from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
 from rocm_mla.models.kimi_k3.ops import AllReduce, RMSNorm, apply_rope, identity_reduce
 
+#: Prefill queries attended per SDPA call (bounds the [H, chunk, n] score matrix).
+PREFILL_QUERY_CHUNK = 1024
+
 
 class MultiHeadLatentAttention(nn.Module):
     """One MLA layer on this TP rank's ``H / tp_size`` heads (checkpoint ``self_attn.*``)."""
@@ -111,13 +114,21 @@ class MultiHeadLatentAttention(nn.Module):
         kv = self.kv_b_proj(latent).view(n, self.num_heads, self.nope + self.dv)
         k_nope, v = kv.split([self.nope, self.dv], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None, :].expand(n, self.num_heads, self.rope)], dim=-1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            is_causal=True,
-            scale=self.scale,
-        )
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n, .]
+        if n <= PREFILL_QUERY_CHUNK:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            return out.transpose(0, 1)
+        # Long prompts go in query chunks, each over the keys it can see: the CPU SDPA
+        # for these head dims materializes the [H, n, n] scores, 8.6 GB at n = 16K.
+        out = q.new_empty(self.num_heads, n, self.dv)
+        for i0 in range(0, n, PREFILL_QUERY_CHUNK):
+            i1 = min(n, i0 + PREFILL_QUERY_CHUNK)
+            mask = torch.arange(i0, i1, device=q.device)[:, None] >= torch.arange(
+                i1, device=q.device
+            )
+            out[:, i0:i1] = F.scaled_dot_product_attention(
+                q[:, i0:i1], k[:, :i1], v[:, :i1], attn_mask=mask, scale=self.scale
+            )
         return out.transpose(0, 1)
 
     def attend_cached(
