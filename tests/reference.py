@@ -93,3 +93,15 @@ def make_paged_problem(
     if four_d:
         kv = kv.unsqueeze(2)
     return q.to(dtype), kv, block_table, seqlens
+
+
+def assert_same_attention(out, lse, ref_out, ref_lse, tol):
+    """Same values, same empty rows (out exactly 0, lse exactly -inf), no NaN anywhere."""
+    assert out.dtype == ref_out.dtype and lse.dtype == torch.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty)
+    assert (lse[empty] == -math.inf).all() and (out[empty] == 0).all()
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=tol, rtol=tol)

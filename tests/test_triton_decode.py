@@ -8,8 +8,6 @@ sizes 1/16/64, lengths 0/1/odd/>= 2K, forced splits 1/2/7/32, NaN in every unuse
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -22,7 +20,7 @@ from rocm_mla.backends.triton import TritonMLAImpl
 from rocm_mla.inputs import prepare_decode
 from rocm_mla.kernels import mla_decode as kernel
 from rocm_mla.kernels.merge_states import TritonTarget, triton_target
-from tests.reference import dense_mla_decode, make_paged_problem
+from tests.reference import assert_same_attention, dense_mla_decode, make_paged_problem
 
 if TritonMLAImpl.unavailable_reason() is not None:
     pytest.skip(TritonMLAImpl.unavailable_reason(), allow_module_level=True)
@@ -42,18 +40,6 @@ def problem(lengths, *, heads, q_len, block, dtype=torch.float32, seed=0, head_d
         seed=seed,
     )
     return q.to(DEVICE), kv.to(DEVICE), bt.to(DEVICE), lens.to(DEVICE)
-
-
-def assert_matches(out, lse, ref_out, ref_lse, tol):
-    """Same values, same empty rows (out exactly 0, lse exactly -inf), no NaN anywhere."""
-    assert out.dtype == ref_out.dtype and lse.dtype == torch.float32
-    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    empty = torch.isinf(ref_lse)
-    assert torch.equal(torch.isinf(lse), empty)
-    assert (lse[empty] == -math.inf).all() and (out[empty] == 0).all()
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=tol, rtol=tol)
 
 
 def run_both(q, kv, bt, lens, *, splits=None, causal=True, kv_scale=None, head_dim_v=512):
@@ -91,7 +77,7 @@ def test_triton_matches_torch(lengths, heads, q_len, block, dtype, splits):
         lengths, heads=heads, q_len=q_len, block=block, dtype=dtype, seed=sum(lengths)
     )
     (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens, splits=splits)
-    assert_matches(out, lse, ref_out, ref_lse, TOL[dtype])
+    assert_same_attention(out, lse, ref_out, ref_lse, TOL[dtype])
 
 
 def test_public_api_and_non_causal_and_4d_cache():
@@ -101,7 +87,7 @@ def test_public_api_and_non_causal_and_4d_cache():
             q, kv.unsqueeze(2), bt, lens, causal=causal, backend="triton"
         )
         ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, causal=causal, backend="torch")
-        assert_matches(out, lse, ref_out, ref_lse, TOL[torch.float32])
+        assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float32])
 
 
 def test_strided_inputs():
@@ -115,7 +101,7 @@ def test_strided_inputs():
     wide_table[:, ::2] = bt
     for q_in, table in ((q_strided, bt), (q_permuted, wide_table[:, ::2])):
         out, lse = rocm_mla.mla_decode(q_in, kv, table, lens, backend="triton")
-        assert_matches(out, lse, ref_out, ref_lse, TOL[torch.float32])
+        assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float32])
 
 
 def test_small_head_dims_against_dense_reference():
@@ -124,7 +110,7 @@ def test_small_head_dims_against_dense_reference():
     impl = TritonMLAImpl(num_heads=16, head_dim_v=72, rope_dim=28, num_kv_splits=2)
     out, lse = impl.forward(q, kv, bt, lens)
     ref_out, ref_lse = dense_mla_decode(q.cpu(), kv.cpu(), bt.cpu(), lens.cpu(), head_dim_v=72)
-    assert_matches(out.cpu(), lse.cpu(), ref_out.float(), ref_lse.float(), 1e-5)
+    assert_same_attention(out.cpu(), lse.cpu(), ref_out.float(), ref_lse.float(), 1e-5)
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
@@ -136,7 +122,7 @@ def test_fp8_cache_matches_torch_on_dequantized_cache(fp8):
     kv8 = (kv / scale).to(fp8)  # NaN slots stay NaN in both fp8 flavours
     (out, lse), _ = run_both(q, kv8, bt, lens, splits=2, kv_scale=scale)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv8.float() * scale, bt, lens, backend="torch")
-    assert_matches(out, lse, ref_out, ref_lse, TOL[torch.float32])
+    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float32])
 
 
 def test_amd_tile_shape_and_xcd_remap_under_any_target():
@@ -162,14 +148,14 @@ def test_amd_tile_shape_and_xcd_remap_under_any_target():
             num_kv_splits=splits,
             config=config,
         )
-        assert_matches(out, lse, ref_out, ref_lse, TOL[torch.float32])
+        assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float32])
 
 
 def test_bfloat16_runs_with_fp32_tiles():
     """bf16 q and cache: on the interpreter the tiles are upcast (Triton issue 11584)."""
     q, kv, bt, lens = problem([33, 90], heads=16, q_len=1, block=16, dtype=torch.bfloat16)
     (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens, splits=2)
-    assert_matches(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])
+    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -189,7 +175,7 @@ def test_fuzz_triton_against_torch(lengths, heads, q_len, block, splits, causal,
     (out, lse), (ref_out, ref_lse) = run_both(
         q, kv, bt, lens, splits=splits, causal=causal, head_dim_v=32
     )
-    assert_matches(out, lse, ref_out, ref_lse, TOL[torch.float32])
+    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float32])
 
 
 # ---- split heuristic and launch configuration (pure Python) ---------------------------------
@@ -359,7 +345,7 @@ def test_gpu_production_shapes(dtype, heads, q_len):
     q, kv, bt, lens = problem(lengths, heads=heads, q_len=q_len, block=64, dtype=dtype, seed=9)
     for splits in (None, 1, 7, 32):
         (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens, splits=splits)
-        assert_matches(out, lse, ref_out, ref_lse, TOL[dtype])
+        assert_same_attention(out, lse, ref_out, ref_lse, TOL[dtype])
 
 
 @pytest.mark.gpu
@@ -369,7 +355,7 @@ def test_gpu_fp8_cache():
     kv8 = (kv.float() / 0.5).to(fp8)
     out, lse = rocm_mla.mla_decode(q, kv8, bt, lens, kv_scale=0.5, backend="triton")
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv8, bt, lens, kv_scale=0.5, backend="torch")
-    assert_matches(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])
+    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])
 
 
 @pytest.mark.rocm
@@ -383,4 +369,4 @@ def test_rocm_target_and_knobs():
     # The defaults (HIP knobs, XCD remap on gfx942/gfx950) compile and are correct.
     q, kv, bt, lens = problem([9000, 3], heads=128, q_len=1, block=1, dtype=torch.bfloat16)
     (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens)
-    assert_matches(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])
+    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])

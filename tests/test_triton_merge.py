@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 import rocm_mla
 from rocm_mla.backends.torch_ref import torch_merge_states
 from rocm_mla.kernels.merge_states import TritonTarget, launch_merge, merge_states, triton_target
+from tests.reference import assert_same_attention
 
 if triton_target() is None:
     pytest.skip("no Triton target (GPU or TRITON_INTERPRET=1)", allow_module_level=True)
@@ -42,14 +43,7 @@ def assert_same_merge(outs, lses, tol):
     out, lse = merge_states(outs, lses)
     ref_out, ref_lse = torch_merge_states(outs.cpu(), lses.cpu())
     out, lse = out.cpu(), lse.cpu()
-    assert out.dtype == outs.dtype and lse.dtype == torch.float32
-    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    empty = torch.isinf(ref_lse)
-    assert torch.equal(torch.isinf(lse), empty)
-    assert (lse[empty] == -math.inf).all() and (out[empty] == 0).all()
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=tol, rtol=tol)
+    assert_same_attention(out, lse, ref_out, ref_lse, tol)
     return out, lse
 
 
