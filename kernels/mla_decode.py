@@ -305,6 +305,35 @@ def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
     return replace(config, block_h=max(16, min(config.block_h, triton.next_power_of_2(rows))))
 
 
+def plan_launch(
+    *,
+    batch: int,
+    q_len: int,
+    num_heads: int,
+    kv_dtype: torch.dtype,
+    max_len: int,
+    total_len: int,
+    target: TritonTarget | None = None,
+    config: LaunchConfig | None = None,
+) -> tuple[LaunchConfig, int]:
+    """The stage-1 launch config and split count for one decode step, from host-known lengths.
+
+    Pure host arithmetic (no tensor is read): ``rocm_mla.plan_decode`` calls it once per step
+    and every layer of the step launches with the answer. ``max_len``/``total_len`` are the
+    longest and summed cache lengths of the batch (an upper bound works: only speed changes).
+    """
+    target = triton_target() if target is None else target
+    if target is None:
+        raise RuntimeError("plan_launch: no Triton target on this machine")
+    del kv_dtype  # one table for every KV dtype until per-dtype tuning lands
+    config = _group_config(default_config(target) if config is None else config, q_len * num_heads)
+    num_groups = triton.cdiv(q_len * num_heads, config.block_h)
+    splits = choose_num_kv_splits(
+        batch, num_groups, total_len / max(batch, 1), max_len, target.num_cus
+    )
+    return config, splits
+
+
 def plan_num_kv_splits(
     cache_seqlens: torch.Tensor,
     q_len: int,
@@ -318,16 +347,20 @@ def plan_num_kv_splits(
     and the shape, so a caller that decodes many layers per step (or a benchmark) can plan
     once and pass ``num_kv_splits`` to every call.
     """
-    target = triton_target() if target is None else target
-    if target is None:
-        raise RuntimeError("plan_num_kv_splits: no Triton target on this machine")
-    config = _group_config(default_config(target) if config is None else config, q_len * num_heads)
-    batch = cache_seqlens.shape[0]
     max_len, total_len = (
         int(v) for v in torch.stack([cache_seqlens.max(), cache_seqlens.sum()]).tolist()
     )
-    num_groups = triton.cdiv(q_len * num_heads, config.block_h)
-    return choose_num_kv_splits(batch, num_groups, total_len / batch, max_len, target.num_cus)
+    _, splits = plan_launch(
+        batch=cache_seqlens.shape[0],
+        q_len=q_len,
+        num_heads=num_heads,
+        kv_dtype=torch.float32,
+        max_len=max_len,
+        total_len=total_len,
+        target=target,
+        config=config,
+    )
+    return splits
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
