@@ -316,7 +316,7 @@ def combine_partials(
     weights, total_lse = lse_merge_weights(lses.view(world, *lse.shape))
     weight = weights[rank][..., None]
     # Reduced in fp32: the sum of N rescaled partials keeps the precision of the exact merge.
-    scaled = torch.where(weight > 0, out.to(torch.float32) * weight, 0.0)
+    scaled = torch.where(weight != 0, out.to(torch.float32) * weight, 0.0)
     if not scatter_heads:
         dist.all_reduce(scaled, group=group)
         return scaled.to(out.dtype), total_lse

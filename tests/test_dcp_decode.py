@@ -248,7 +248,7 @@ def test_single_rank_needs_no_local_lengths():
 
 
 class FailingImpl(TorchMLAImpl):
-    def _decode(self, problem):
+    def _decode(self, problem, plan):
         raise RuntimeError("injected fault in the decode kernel")
 
 
