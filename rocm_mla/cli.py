@@ -218,6 +218,7 @@ BENCHMARKS = {
     "kernel": "benchmarks.kernel_roofline",
     "dcp": "benchmarks.dcp_scaling",
     "e2e": "benchmarks.e2e",
+    "gpu": "benchmarks.gpu",
 }
 
 
