@@ -157,6 +157,7 @@ def load_model(
             all_reduce=all_reduce, backend=backend, dcp_group=dcp_group,
         )  # fmt: skip
     model.to_empty(device=device)
+    model.tie_weights()
     params = dict(model.named_parameters())
     start, end = model.layer_range
     loaded: set[str] = set()

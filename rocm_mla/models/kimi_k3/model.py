@@ -269,8 +269,13 @@ class KimiK3ForCausalLM(nn.Module):
                 config.vocab_size, config.hidden_size, tp_rank, tp_size, all_gather,
                 config.logit_scale,
             )  # fmt: skip
-            if config.tie_word_embeddings and self.is_first:
-                self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings`` on a stage that has both, make the LM head's weight the
+        embedding's parameter (again: ``Module.to_empty`` replaces parameters one by one)."""
+        if self.config.tie_word_embeddings and self.is_first and self.is_last:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def absorb_weights(self) -> None:
         """Precompute every MLA layer's decode weights; call after loading weights."""
