@@ -243,6 +243,16 @@ def test_tp2_shards_split_whole_scale_groups(mx_dir):
         load_model(mx_dir, tp_rank=0, tp_size=4, all_reduce=noop)
 
 
+def test_cli_make_tiny_writes_an_mxfp4_checkpoint(tmp_path, capsys):
+    from rocm_mla.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["make-tiny", "--arch", "kimi_k3", "--experts", "mxfp4", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert KimiK3Config.from_pretrained(out).routed_expert_quant == "mxfp4"
+    assert any(k.endswith(".weight_packed") for k in load_file(str(out / "model.safetensors")))
+
+
 # ---------------------------------------------------------------------------- loader errors
 def _rewrite(src, dst, edit):
     dst.mkdir()
@@ -292,3 +302,29 @@ def test_format_disagreement_between_config_and_tensors_is_explained(mx_dir, tmp
     (bad / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="no compressed-tensors quantization_config"):
         load_model(bad)
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_model_matches_cpu(mx_dir, mx_model):
+    """On GPU the packed experts are dequantized on the device into bf16 tiles for the
+    ordinary GEMM; the fp32 model matches the CPU run and bf16 stays close."""
+    ids = torch.tensor([3, 9, 27, 81, 243, 5, 15])
+    ref = _logits(mx_model, ids)
+    gpu = load_model(mx_dir, device="cuda")
+    assert gpu.model.layers["1"].block_sparse_moe.experts[0].w1.weight_packed.is_cuda
+    got = _logits_on(gpu, ids, "cuda").cpu()
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+    bf16 = load_model(mx_dir, device="cuda", dtype=torch.bfloat16)
+    got16 = _logits_on(bf16, ids, "cuda").float().cpu()
+    assert (got16 - ref).abs().max() <= 5e-2 * ref.abs().max()
+
+
+def _logits_on(model, ids, device):
+    with torch.no_grad():
+        caches = model.make_caches(8, 4, 1)
+        pre = model(ForwardMetadata.contiguous([0], [len(ids)], 4, 8, device=device), caches,
+                    input_ids=ids.to(device))  # fmt: skip
+        dec = model(ForwardMetadata.contiguous([len(ids)], [1], 4, 8, device=device), caches,
+                    input_ids=torch.tensor([7], device=device))  # fmt: skip
+    return torch.cat([pre, dec])
