@@ -209,7 +209,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from rocm_mla.models.kimi_k3 import make_tiny
 
-    print(make_tiny(args.arch, args.out, seed=args.seed))
+    print(make_tiny(args.arch, args.out, seed=args.seed, experts=args.experts))
     return 0
 
 
@@ -283,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=["kimi_k3", "kimi_linear"], required=True)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--experts",
+        choices=["plain", "mxfp4"],
+        default="plain",
+        help="routed-expert weights: plain, or compressed-tensors MXFP4 (packed e2m1 + e8m0)",
+    )
     p.set_defaults(func=cmd_make_tiny)
 
     p = sub.add_parser("bench", help="run a benchmark (JSON + PNG under benchmarks/results)")

@@ -208,7 +208,9 @@ def test_mla_output_gate_and_q_lora():
     meta = ForwardMetadata.contiguous([0], [5], 8, 1)
     cache = torch.zeros(1, 8, cfg.kv_cache_dim)
     q, _, _ = layer.project(x, meta.positions)
-    q_ref = layer.q_b_proj(rms_norm(layer.q_a_proj(x), layer.q_a_layernorm.weight, 1e-6))
+    # K3 reads the checkpoint's rms_norm_eps for the latent norms.
+    eps = cfg.rms_norm_eps
+    q_ref = layer.q_b_proj(rms_norm(layer.q_a_proj(x), layer.q_a_layernorm.weight, eps))
     torch.testing.assert_close(q.flatten(1), q_ref)
     ungated = dataclasses.replace(cfg, mla_use_output_gate=False)
     plain = MultiHeadLatentAttention(ungated)

@@ -4,10 +4,17 @@ Key names: K3 under ``language_model.model.`` / ``language_model.lm_head.`` (vis
 projector and MTP layers skipped); Kimi-Linear under ``model.`` / ``lm_head.``. Only this
 stage's layers are read, and through ``get_slice`` only this TP rank's rows/columns, so memory
 stays proportional to the shard. ``make_tiny`` writes a random checkpoint in the same format.
+
+The embedding and LM head are vocab-parallel: each TP rank reads its ``ceil(V / tp)`` rows
+(zero padding past the vocabulary). With ``tie_word_embeddings`` the head is the embedding
+tensor (a stored ``lm_head.weight`` is then ignored). MXFP4 routed experts (config.json
+``quantization_config``) are read as ``weight_packed`` / ``weight_scale`` uint8 and stay packed.
+Short-conv weights may be stored ``[C, 1, K]`` or ``[C, K]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -21,6 +28,7 @@ from torch import nn
 
 from rocm_mla.models.kimi_k3.config import KimiK3Config
 from rocm_mla.models.kimi_k3.model import KimiK3ForCausalLM
+from rocm_mla.models.kimi_k3.mxfp4 import quantization_config_block, quantize_mxfp4
 from rocm_mla.models.kimi_k3.ops import AllReduce, shard_range
 
 # Module names whose weight rows (dim 0) are split across TP ranks (heads / intermediate),
@@ -36,6 +44,9 @@ _FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias", "gate.weight")
 _SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 _LIST_LIMIT = 10
 _DENSE_ALIAS = re.compile(r"(layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.)")
+_VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+_EXPERT_WEIGHT = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
+EXPERT_FORMATS = ("plain", "mxfp4")
 
 
 class CheckpointError(ValueError):
@@ -146,6 +157,7 @@ def load_model(
             all_reduce=all_reduce, backend=backend, dcp_group=dcp_group,
         )  # fmt: skip
     model.to_empty(device=device)
+    model.tie_weights()
     params = dict(model.named_parameters())
     start, end = model.layer_range
     loaded: set[str] = set()
@@ -154,7 +166,7 @@ def load_model(
     for file, keys in _files(path).items():
         with _open(path / file) as f:
             for key in keys:
-                name = _model_name(key, config.arch)
+                name = _tied_name(_model_name(key, config.arch), config, model)
                 if name is None:
                     continue
                 layer = _layer_of(name)
@@ -166,7 +178,12 @@ def load_model(
                     if not _stage_skips(name, model):
                         unexpected.append(key)
                     continue
-                problem = _read_into(f, key, name, params[name], tp_rank, tp_size, dtype, file)
+                if name in _VOCAB_PARALLEL:
+                    problem = _read_vocab_rows(
+                        f, key, params[name], tp_rank, config.vocab_size, dtype, file
+                    )
+                else:
+                    problem = _read_into(f, key, name, params[name], tp_rank, tp_size, dtype, file)
                 if problem:
                     misshaped.append(problem)
                 else:
@@ -181,7 +198,10 @@ def load_model(
         if unexpected:
             parts.append(_summary("unexpected tensors", unexpected))
         if misshaped:
-            parts.append(_summary("wrong shapes", misshaped))
+            parts.append(_summary("wrong shapes or dtypes", misshaped))
+        hint = _format_hint(config, unexpected)
+        if hint:
+            parts.append(hint)
         raise CheckpointError("\n".join(parts))
     model.absorb_weights()
     return model
@@ -192,6 +212,67 @@ def _stage_skips(name: str, model: KimiK3ForCausalLM) -> bool:
     first_only = name.startswith("model.embed_tokens.")
     last_only = name.startswith(("lm_head.", "model.norm.", "model.output_attn_res_"))
     return (first_only and not model.is_first) or (last_only and not model.is_last)
+
+
+def _tied_name(name: str | None, config: KimiK3Config, model: KimiK3ForCausalLM) -> str | None:
+    """With tied embeddings: a stored head copy is ignored, and a last stage that does not
+    embed reads its head from the embedding tensor."""
+    if name is None or not config.tie_word_embeddings:
+        return name
+    if name == "lm_head.weight":
+        return None
+    if name == "model.embed_tokens.weight" and model.is_last and not model.is_first:
+        return "lm_head.weight"
+    return name
+
+
+def _format_hint(config: KimiK3Config, unexpected: list[str]) -> str | None:
+    """Why routed-expert tensors did not match: the checkpoint and config.json disagree on
+    the expert format."""
+    if config.routed_expert_quant is None and any(
+        k.endswith((".weight_packed", ".weight_scale")) for k in unexpected
+    ):
+        return (
+            "  hint: the checkpoint stores MXFP4 expert tensors (weight_packed/weight_scale) "
+            "but config.json has no compressed-tensors quantization_config"
+        )
+    if config.routed_expert_quant == "mxfp4" and any(_EXPERT_WEIGHT.search(k) for k in unexpected):
+        return (
+            "  hint: config.json declares MXFP4 routed experts but the checkpoint stores "
+            "plain expert .weight tensors"
+        )
+    return None
+
+
+def _read_vocab_rows(
+    f,
+    key: str,
+    param: nn.Parameter,
+    tp_rank: int,
+    vocab_size: int,
+    dtype: torch.dtype | None,
+    file: str,
+) -> str | None:
+    """Copy this rank's vocabulary rows of ``key [V, D]`` into ``param [ceil(V/tp), D]``
+    (pad rows past ``V`` zero); return a shape problem or None."""
+    rows, dim = param.shape
+    try:
+        sl = f.get_slice(key)
+        shape = list(sl.get_shape())
+        if shape != [vocab_size, dim]:
+            return f"{key}: expected shape {[vocab_size, dim]}, got {shape}"
+        start = tp_rank * rows
+        end = min(start + rows, vocab_size)
+        tensor = sl[start:end]
+    except Exception as err:  # safetensors raises SafetensorError on a short data section
+        raise CheckpointError(
+            f"{file}: cannot read tensor {key} ({err}); the file is truncated or corrupt"
+        ) from err
+    full = torch.zeros(rows, dim, dtype=dtype or tensor.dtype, device=param.device)
+    full[: end - start] = tensor.to(device=param.device, dtype=full.dtype)
+    with torch.no_grad():
+        param.data = full
+    return None
 
 
 def _ckpt_name(name: str, arch: str) -> str:
@@ -212,6 +293,9 @@ def _read_into(
     try:
         sl = f.get_slice(key)
         shape = list(sl.get_shape())
+        if param.dtype == torch.uint8 and sl.get_dtype() != "U8":
+            got = sl.get_dtype()
+            return f"{key}: expected dtype uint8 (MXFP4 packed codes / e8m0 scales), got {got}"
         dim = tp_shard_dim(name)
         local = list(param.shape)
         if name.endswith("A_log"):
@@ -227,7 +311,7 @@ def _read_into(
             expected = list(local)
             if dim is not None:
                 expected[dim] *= tp_size
-            if shape != expected:
+            if shape != expected and not _is_2d_conv(name, shape, expected):
                 return f"{key}: expected shape {expected}, got {shape}"
             if dim is None:
                 tensor = sl[:]
@@ -238,10 +322,25 @@ def _read_into(
         raise CheckpointError(
             f"{file}: cannot read tensor {key} ({err}); the file is truncated or corrupt"
         ) from err
-    target = torch.float32 if name.endswith(_FP32_PARAMS) else (dtype or tensor.dtype)
+    if param.dtype == torch.uint8:
+        target = torch.uint8
+    elif name.endswith(_FP32_PARAMS):
+        target = torch.float32
+    else:
+        target = dtype or tensor.dtype
     with torch.no_grad():
         param.data = tensor.to(device=param.device, dtype=target).reshape(param.shape).contiguous()
     return None
+
+
+def _is_2d_conv(name: str, shape: list[int], expected: list[int]) -> bool:
+    """A depthwise short-conv weight saved ``[C, K]`` instead of ``[C, 1, K]`` (same data)."""
+    return (
+        "conv1d" in name
+        and len(expected) == 3
+        and expected[1] == 1
+        and shape == [expected[0], expected[2]]
+    )
 
 
 # ---------------------------------------------------------------------------- tiny checkpoints
@@ -292,6 +391,7 @@ def make_tiny(
     seed: int = 0,
     config: KimiK3Config | None = None,
     dtype: torch.dtype = torch.float32,
+    experts: str = "plain",
 ) -> Path:
     """Write a random checkpoint (config.json + model.safetensors) in the released format.
 
@@ -301,30 +401,53 @@ def make_tiny(
         seed: weight seed.
         config: defaults to ``KimiK3Config.tiny(arch)``.
         dtype: tensor dtype on disk (router / decay parameters stay fp32).
+        experts: "plain" or "mxfp4": routed experts quantized with ``quantize_mxfp4`` and
+            stored as compressed-tensors ``weight_packed`` / ``weight_scale`` plus the
+            ``quantization_config`` block. Without ``config``, "mxfp4" widens the tiny
+            ``moe_intermediate_size`` to 64 so tp 2 still splits whole groups of 32.
 
     Returns:
         ``out_dir`` as a Path.
     """
-    config = config or KimiK3Config.tiny(arch)
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts: expected one of {EXPERT_FORMATS}, got {experts!r}")
+    if config is None:
+        config = KimiK3Config.tiny(arch)
+        if experts == "mxfp4":
+            config = dataclasses.replace(config, moe_intermediate_size=64)
     if config.arch != arch:
         raise ValueError(f"arch: {arch!r} does not match config.arch {config.arch!r}")
+    if config.routed_expert_quant is not None:
+        raise ValueError(
+            "config: pass a plain-expert config and experts='mxfp4'; the quantizer makes the "
+            "MXFP4 tensors from random plain weights"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = KimiK3ForCausalLM(config)
     random_init_(model, seed)
     tensors = {}
     for key, t in _checkpoint_tensors(model):
-        tensors[key] = t if key.endswith(_FP32_PARAMS) else t.to(dtype)
+        if experts == "mxfp4" and _EXPERT_WEIGHT.search(key):
+            packed, scale = quantize_mxfp4(t)
+            stem = key.removesuffix(".weight")
+            tensors[stem + ".weight_packed"], tensors[stem + ".weight_scale"] = packed, scale
+        else:
+            tensors[key] = t if key.endswith(_FP32_PARAMS) else t.to(dtype)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     text = config.to_dict()
+    text.pop("tie_word_embeddings")  # a top-level key of the released config.json
+    top: dict = {"tie_word_embeddings": config.tie_word_embeddings}
+    if experts == "mxfp4":
+        top["quantization_config"] = quantization_config_block()
     if arch == "kimi_k3":
         raw = {
             "model_type": "kimi_k3",
             "architectures": ["KimiK3ForConditionalGeneration"],
-            "tie_word_embeddings": False,
+            **top,
             "text_config": text,
         }
     else:
-        raw = {**text, "architectures": ["KimiLinearForCausalLM"]}
+        raw = {**text, **top, "architectures": ["KimiLinearForCausalLM"]}
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return out
