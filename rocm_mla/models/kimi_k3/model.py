@@ -127,7 +127,7 @@ class DecoderLayer(nn.Module):
         slots = meta.state_slots
         conv, rec = conv_cache[slots], rec_cache[slots]
         # A request with no context starts from zero state, whatever its slot held before.
-        fresh = torch.tensor([c == 0 for c in meta.context_lens], device=conv.device)
+        fresh = meta.fresh
         conv = conv.masked_fill(fresh[:, None, None], 0)
         rec = rec.masked_fill(fresh[:, None, None, None], 0)
         num_new = meta.num_new

@@ -144,12 +144,37 @@ class MoE(nn.Module):
             )
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial ``sum_k w_k E_{ids_k}(x)`` for ``x [T, d_e]`` -> ``[T, d_e]``."""
+        """This rank's partial ``sum_k w_k E_{ids_k}(x)`` for ``x [T, d_e]`` -> ``[T, d_e]``.
+
+        Two schedules, the same sum. Sparse: each routed expert on its own tokens; finding
+        them reads the routing back to the host (a sync per expert on a GPU). Dense: every
+        expert on every token, weighted by a ``[T, E]`` combine matrix that is 0 where it
+        was not chosen; no sync, so a decode step can be captured in a CUDA/HIP graph. Dense
+        is taken when ``T * top_k`` reaches the expert count (a decode batch then touches
+        about every expert's weights anyway, and weight reads bound the cost) and always
+        while a graph is being captured.
+        """
+        num_experts = len(self.experts)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or ids.numel() >= num_experts:
+            return self._routed_dense(x, weights, ids)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
             y = self.experts[e](x[tok]) * weights[tok, slot, None].to(x.dtype)
             out.index_add_(0, tok, y)
+        return out
+
+    def _routed_dense(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        combine = torch.zeros(x.shape[0], len(self.experts), device=x.device)
+        combine.scatter_add_(1, ids, weights.to(combine.dtype))  # [T, E]
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            w = combine[:, e, None]
+            # Tokens that did not choose e take nothing from it, not even an overflow's NaN.
+            out += torch.where(w != 0, expert(x) * w.to(x.dtype), 0.0)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
