@@ -70,8 +70,11 @@ from rocm_mla.models.kimi_k3.limits import check_memory
 #: Collective timeout inside the workers (an engine's lifetime can be long; faults are
 #: caught by this process through deaths, errors, heartbeats and the call timeout).
 WORKER_TIMEOUT_S = 24 * 3600.0
-#: Default limit of one generate/score call (and of the workers' start), in seconds.
+#: Default limit of one generate/score call, in seconds.
 DEFAULT_CALL_TIMEOUT_S = 3600.0
+#: Limit of the workers' start (import, rendezvous, loading the shards), in seconds; a
+#: worker that dies, or stops sending heartbeats once connected, fails the start sooner.
+START_TIMEOUT_S = 3600.0
 #: A busy rank silent this long is reported as stalled (stopped, or stuck holding the GIL).
 HEARTBEAT_TIMEOUT_S = 60.0
 #: Seconds idle workers get to exit on "stop" before they are terminated, then killed.
@@ -273,7 +276,7 @@ class WorkerGroup:
             except OSError:
                 pass  # it died at once; _accept reports how
         self.pids = [proc.pid for proc in self.procs]
-        deadline = time.monotonic() + self.call_timeout_s
+        deadline = time.monotonic() + START_TIMEOUT_S
         self._accept(server, token, deadline)
         self._gather("ready", deadline)
 
@@ -288,7 +291,7 @@ class WorkerGroup:
                 raise WorkerError(
                     rank,
                     f"rank {rank} of {self.world} did not connect within "
-                    f"{self.call_timeout_s:.0f} s; its output ends with:\n"
+                    f"{START_TIMEOUT_S:.0f} s; its output ends with:\n"
                     f"{_stderr_tail(self.logs[rank])}",
                 )
             try:
@@ -495,9 +498,9 @@ class LLM:
         seed: seed of the sampler (temperature > 0).
         launcher: ``"spawn"`` (this process starts the workers) or ``"torchrun"`` (this is
             one of ``pp * tp`` processes started by torchrun).
-        call_timeout_s: limit of one ``generate``/``score`` call and of the workers' start;
-            a rank that exceeds it (or sends no heartbeat for ``HEARTBEAT_TIMEOUT_S``) is
-            named in a ``WorkerError``.
+        call_timeout_s: limit of one ``generate``/``score`` call; a rank that exceeds it
+            (or sends no heartbeat for ``HEARTBEAT_TIMEOUT_S``) is named in a
+            ``WorkerError``.
     """
 
     def __init__(
