@@ -488,6 +488,24 @@ def test_close_with_a_long_call_in_flight_stops_the_workers(tiny):
     assert _still_running(pids) == []
 
 
+def test_env_rendezvous_listens_on_master_addr_only(monkeypatch):
+    from rocm_mla.distributed import _env_store, free_port
+
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    server = _env_store(0, 2, 10.0)
+    client = _env_store(1, 2, 10.0)
+    client.set("key", "value")
+    assert server.get("key") == b"value"
+    ours = _listening_ports(_socket_inodes([os.getpid()]))
+    assert ours.get(port) == {"0100007F"}, ours
+    monkeypatch.delenv("MASTER_ADDR")
+    with pytest.raises(ValueError, match="env:// needs MASTER_ADDR and MASTER_PORT"):
+        _env_store(0, 2, 10.0)
+
+
 def test_every_listening_socket_of_the_engine_is_on_loopback(tiny):
     with LLM(tiny, pp=2, block_size=4, device="cpu") as llm:
         assert llm.generate([[1, 2, 3]], 2)

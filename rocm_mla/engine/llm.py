@@ -75,8 +75,10 @@ DEFAULT_CALL_TIMEOUT_S = 3600.0
 #: Limit of the workers' start (import, rendezvous, loading the shards), in seconds; a
 #: worker that dies, or stops sending heartbeats once connected, fails the start sooner.
 START_TIMEOUT_S = 3600.0
-#: A busy rank silent this long is reported as stalled (stopped, or stuck holding the GIL).
+#: A busy rank silent this long is reported as stalled (stopped, or stuck holding the GIL);
+#: longer while loading, where one huge tensor read may hold the GIL for a while.
 HEARTBEAT_TIMEOUT_S = 60.0
+START_HEARTBEAT_TIMEOUT_S = 300.0
 #: Seconds idle workers get to exit on "stop" before they are terminated, then killed.
 STOP_GRACE_S = 5.0
 #: Seconds between the progress lines of ``generate(show_progress=True)``.
@@ -206,6 +208,7 @@ class WorkerGroup:
         self._call_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._stopped = False
+        self._ready = False
         self._handles_closed = False
         self._store = None
         server = socket.create_server(("127.0.0.1", 0))
@@ -278,7 +281,8 @@ class WorkerGroup:
         self.pids = [proc.pid for proc in self.procs]
         deadline = time.monotonic() + START_TIMEOUT_S
         self._accept(server, token, deadline)
-        self._gather("ready", deadline)
+        self._gather("ready", deadline, heartbeat_timeout_s=START_HEARTBEAT_TIMEOUT_S)
+        self._ready = True
 
     def _accept(self, server: socket.socket, token: bytes, deadline: float) -> None:
         server.settimeout(0.2)
@@ -325,7 +329,13 @@ class WorkerGroup:
 
     # ---- calls --------------------------------------------------------------------------
 
-    def _gather(self, kind: str, deadline: float, progress: Callable | None = None) -> dict:
+    def _gather(
+        self,
+        kind: str,
+        deadline: float,
+        progress: Callable | None = None,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+    ) -> dict:
         """Every rank's next ``kind`` message; ``WorkerError`` for the first rank that
         raised, died or stalled."""
         got: dict[int, tuple] = {}
@@ -358,7 +368,7 @@ class WorkerGroup:
                 raise self._fault(errors, dead)
             now = time.monotonic()
             silent = {r: now - beat[r] for r in range(self.world) if r not in got}
-            stalled = [r for r, age in silent.items() if age > HEARTBEAT_TIMEOUT_S]
+            stalled = [r for r, age in silent.items() if age > heartbeat_timeout_s]
             if stalled or now > deadline:
                 rank = max(silent, key=silent.get)
                 age = silent[rank]
@@ -440,7 +450,7 @@ class WorkerGroup:
             self._stopped = True
         idle = self._call_lock.acquire(blocking=False)
         try:
-            if idle:
+            if idle and self._ready:  # loading workers read no commands: no grace then
                 for conn in self.conns.values():
                     with contextlib.suppress(OSError):
                         conn.send(("stop", None))
@@ -576,7 +586,7 @@ class LLM:
         world = self.layout.world_size
         if launcher == "torchrun":
             state = init_parallel(pp, tp, dcp)
-            self._check_memory(state.device.type, world)
+            self._check_memory(state.device.type, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             self._local = StageWorker.load(self.path, self.options, state, state.device)
         elif world == 1:
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
