@@ -512,3 +512,18 @@ def test_every_listening_socket_of_the_engine_is_on_loopback(tiny):
         ours = _listening_ports(_socket_inodes([os.getpid(), *llm.worker_pids]))
         assert llm._group._store.port in ours  # the rendezvous store, hosted here
         assert all(addrs <= LOOPBACK for addrs in ours.values()), ours
+
+
+def test_killed_worker_is_named_with_its_signal(tiny):
+    llm = LLM(tiny, pp=2, block_size=4, device="cpu")
+    pids = llm.worker_pids
+    os.kill(pids[0], signal.SIGKILL)
+    start = time.monotonic()
+    match = r"rank 0 of 2 \(pid \d+\) was killed by SIGKILL during a call"
+    try:
+        with pytest.raises(WorkerError, match=match) as e:
+            llm.generate([[1, 2, 3]], 2)
+        assert e.value.rank == 0 and time.monotonic() - start < 30
+        assert _still_running(pids) == []
+    finally:
+        llm.close()

@@ -365,7 +365,7 @@ class WorkerGroup:
             if self._stopped:  # close() from another thread: the deaths are its doing
                 raise RuntimeError("LLM: the engine was closed while this call was running")
             if errors or dead:
-                raise self._fault(errors, dead)
+                raise self._fault(errors, dead, "while starting" if kind == "ready" else "")
             now = time.monotonic()
             silent = {r: now - beat[r] for r in range(self.world) if r not in got}
             stalled = [r for r, age in silent.items() if age > heartbeat_timeout_s]
@@ -383,7 +383,9 @@ class WorkerGroup:
                 raise WorkerError(rank, message + "; all workers were stopped", message)
         return got
 
-    def _fault(self, errors: dict[int, tuple[float, str]], dead: list[int]) -> WorkerError:
+    def _fault(
+        self, errors: dict[int, tuple[float, str]], dead: list[int], when: str
+    ) -> WorkerError:
         # The rank that failed first is the cause; its peers fail after it (a broken
         # collective), so let their reports arrive before choosing.
         end = time.monotonic() + 0.5
@@ -401,7 +403,7 @@ class WorkerGroup:
         silent = [r for r in dead if r not in errors]
         if silent:
             # A rank that raises always reports first, so one that died silently is the cause.
-            return self._died(silent[0], "during a call")
+            return self._died(silent[0], when or "during a call")
         rank = min(errors, key=lambda r: errors[r][0])
         trace = errors[rank][1].rstrip()
         others = sorted(set(errors) - {rank})
