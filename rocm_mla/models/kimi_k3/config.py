@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rocm_mla.models.kimi_k3.limits import checkpoint_file
 from rocm_mla.models.kimi_k3.mxfp4 import GROUP_SIZE, parse_quantization_config
 
 ARCHS = ("kimi_k3", "kimi_linear")
@@ -140,6 +142,8 @@ class KimiK3Config:
     mlp_layer_types: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # Types and ranges first: the defaults below build per-layer lists.
+        _check_field_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if not self.layer_types:
             self.layer_types = _default_layer_types(self.num_hidden_layers)
         if not self.mlp_layer_types:
@@ -333,7 +337,7 @@ class KimiK3Config:
     def from_pretrained(cls, path: str | Path) -> KimiK3Config:
         """Read ``config.json`` from a checkpoint directory (or the file itself)."""
         path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
+        file = checkpoint_file(path, "config.json") if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no config.json at {file}")
         return cls.from_dict(json.loads(file.read_text()))
@@ -371,7 +375,8 @@ class KimiK3Config:
         for name in ("num_attention_heads", "num_hidden_layers", "hidden_size", "vocab_size"):
             if name not in text:
                 raise ValueError(f"{name}: missing from config.json")
-        n = int(text["num_hidden_layers"])
+        _check_field_values(kwargs)
+        n = kwargs["num_hidden_layers"]
         # A K3 config without these keys means the released K3 defaults; Kimi-Linear never
         # has a gate, latent MoE or AttnRes.
         kwargs.setdefault("mla_use_output_gate", False)
@@ -400,6 +405,7 @@ class KimiK3Config:
         method = text.get("topk_method", "noaux_tc")
         _check(method == "noaux_tc", "topk_method", "'noaux_tc'", method)
         kwargs.update(_parse_linear_attn(text, n))
+        _check_field_values(kwargs)
         kwargs["layer_types"] = _parse_layer_types(text, n, arch)
         kwargs["mlp_layer_types"] = _parse_mlp_types(text, n, arch)
         return cls(**kwargs)
@@ -442,6 +448,74 @@ class KimiK3Config:
 def _check(ok: bool, name: str, expected: str, got: Any) -> None:
     if not ok:
         raise ValueError(f"{name}: expected {expected}, got {got!r}")
+
+
+# Inclusive bounds of integer fields: a generous margin over every released Kimi model, low
+# enough that a typo (or a hostile file) fails here rather than in a terabyte allocation.
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 2**24),
+    "hidden_size": (1, 2**16),
+    "num_hidden_layers": (1, 2**12),
+    "intermediate_size": (1, 2**20),
+    "max_position_embeddings": (1, 2**30),
+    "num_attention_heads": (1, 2**12),
+    "q_lora_rank": (1, 2**16),
+    "kv_lora_rank": (1, 2**16),
+    "qk_nope_head_dim": (0, 2**12),
+    "qk_rope_head_dim": (0, 2**12),
+    "v_head_dim": (1, 2**12),
+    "kda_num_heads": (1, 2**12),
+    "kda_head_dim": (1, 2**12),
+    "kda_conv_size": (1, 2**8),
+    "num_experts": (0, 2**16),
+    "num_experts_per_token": (0, 2**10),
+    "num_shared_experts": (0, 2**8),
+    "moe_intermediate_size": (1, 2**20),
+    "routed_expert_hidden_size": (1, 2**16),
+    "num_expert_group": (1, 2**16),
+    "topk_group": (1, 2**16),
+    "attn_res_block_size": (1, 2**12),
+    "num_nextn_predict_layers": (0, 2**8),
+}
+_POSITIVE_FLOATS = ("rms_norm_eps", "latent_norm_eps", "rope_theta")
+# Field -> its name in config.json, where they differ.
+_JSON_NAMES = {
+    "kda_num_heads": "linear_attn_config.num_heads",
+    "kda_head_dim": "linear_attn_config.head_dim",
+    "kda_conv_size": "linear_attn_config.short_conv_kernel_size",
+    "kda_full_rank_gate": "linear_attn_config.use_full_rank_gate",
+    "kda_gate_lower_bound": "linear_attn_config.gate_lower_bound",
+}
+
+
+def _check_field_values(values: dict[str, Any]) -> None:
+    """Type and range of each scalar field in ``values`` (by the dataclass annotation);
+    ValueError naming the config.json key. Nothing is coerced: ``"64"`` is not 64."""
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(KimiK3Config)}
+    for name, value in values.items():
+        kind = kinds.get(name)
+        if kind is None:
+            continue
+        key = _JSON_NAMES.get(name, name)
+        optional = kind.endswith(" | None")
+        base = kind.removesuffix(" | None")
+        if value is None and optional:
+            continue
+        null = " or null" if optional else ""
+        if base == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            _check(ok, key, f"an int{null}", value)
+            lo, hi = _INT_RANGES.get(name, (0, 2**31 - 1))
+            _check(lo <= value <= hi, key, f"an int in [{lo}, {hi}]", value)
+        elif base == "float":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            _check(ok and math.isfinite(value), key, f"a finite number{null}", value)
+            if name in _POSITIVE_FLOATS:
+                _check(value > 0, key, "a number > 0", value)
+        elif base == "bool":
+            _check(isinstance(value, bool), key, f"true or false{null}", value)
+        elif base == "str":
+            _check(isinstance(value, str), key, f"a string{null}", value)
 
 
 def _default_layer_types(n: int) -> list[str]:

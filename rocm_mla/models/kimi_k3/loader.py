@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from rocm_mla.models.kimi_k3.config import KimiK3Config
+from rocm_mla.models.kimi_k3.limits import UnsafeCheckpointPath, check_memory, checkpoint_file
 from rocm_mla.models.kimi_k3.model import KimiK3ForCausalLM
 from rocm_mla.models.kimi_k3.mxfp4 import quantization_config_block, quantize_mxfp4
 from rocm_mla.models.kimi_k3.ops import AllReduce, shard_range
@@ -86,18 +87,33 @@ def _layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _inside(path: Path, name: str) -> Path:
+    """``path / name``, as a ``CheckpointError`` when it leads out of the model directory."""
+    try:
+        return checkpoint_file(path, name)
+    except UnsafeCheckpointPath as err:
+        raise CheckpointError(str(err)) from None
+
+
 def _files(path: Path) -> dict[str, list[str]]:
-    """Checkpoint file -> keys in it (index.json or the single model.safetensors)."""
+    """Checkpoint file -> keys in it (index.json or the single model.safetensors); every
+    file named resolves inside ``path``."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
+        _inside(path, index.name)
         weight_map = json.loads(index.read_text()).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no 'weight_map' dict")
         files: dict[str, list[str]] = {}
         for key, file in weight_map.items():
+            if not isinstance(key, str) or not isinstance(file, str):
+                raise CheckpointError(
+                    f"{index}: weight_map entry {key!r}: {file!r} must map a name to a file name"
+                )
+            _inside(path, file)
             files.setdefault(file, []).append(key)
         return files
-    single = path / "model.safetensors"
+    single = _inside(path, "model.safetensors")
     if not single.is_file():
         raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json found")
     with _open(single) as f:
@@ -151,6 +167,13 @@ def load_model(
     """
     path = Path(path)
     config = KimiK3Config.from_pretrained(path)
+    check_memory(
+        config,
+        device=device,
+        pp=pp_size,
+        tp=tp_size,
+        param_itemsize=dtype.itemsize if dtype is not None else None,
+    )
     with torch.device("meta"):
         model = KimiK3ForCausalLM(
             config, pp_rank=pp_rank, pp_size=pp_size, tp_rank=tp_rank, tp_size=tp_size,
@@ -164,7 +187,7 @@ def load_model(
     unexpected: list[str] = []
     misshaped: list[str] = []
     for file, keys in _files(path).items():
-        with _open(path / file) as f:
+        with _open(_inside(path, file)) as f:
             for key in keys:
                 name = _tied_name(_model_name(key, config.arch), config, model)
                 if name is None:
