@@ -572,7 +572,7 @@ def _parse_top_level(raw: dict[str, Any], text: dict[str, Any], arch: str) -> di
         if not values:
             continue
         if name == "tie_word_embeddings":
-            _check(isinstance(values[0], bool), name, "a bool", values[0])
+            _check(isinstance(values[0], bool), name, "true or false", values[0])
             out[name] = values[0]
         else:
             out["routed_expert_quant"] = parse_quantization_config(values[0])
