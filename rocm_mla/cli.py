@@ -148,6 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         **_engine_kwargs(args),
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
         launcher="torchrun" if args.torchrun else "spawn",
     )
     with llm:
@@ -305,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eos-token-id", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per layer per rank")
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests in flight at once")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA/HIP graph capture of decode steps"
+    )
     p.add_argument("--torchrun", action="store_true", help="this is one rank of a torchrun launch")
     _engine_args(p, pp=1, tp=1, dcp=1)
     p.set_defaults(func=cmd_generate)

@@ -87,6 +87,12 @@ PROGRESS_PRINT_S = 2.0
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
@@ -508,6 +514,9 @@ class LLM:
         max_num_seqs: requests in flight at once (KDA state rows per layer).
         kv_cache_dtype: ``"auto"`` (model dtype) or ``"fp8"`` (where the backend reads it).
         seed: seed of the sampler (temperature > 0).
+        enforce_eager: never capture decode steps in CUDA/HIP graphs. By default a
+            single-process engine on a GPU captures each padded batch size once and replays
+            it (``rocm_mla.engine.graphs``); multi-process layouts and CPUs run eagerly.
         launcher: ``"spawn"`` (this process starts the workers) or ``"torchrun"`` (this is
             one of ``pp * tp`` processes started by torchrun).
         call_timeout_s: limit of one ``generate``/``score`` call; a rank that exceeds it
@@ -531,6 +540,7 @@ class LLM:
         max_num_seqs: int = 16,
         kv_cache_dtype: str | torch.dtype | None = "auto",
         seed: int = 0,
+        enforce_eager: bool = False,
         launcher: str = "spawn",
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
@@ -582,6 +592,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             kv_cache_dtype=kv_cache_dtype,
             seed=seed,
+            enforce_eager=_bool("enforce_eager", enforce_eager),
         )
         self.worker_pids: list[int] = []
         self._launcher = launcher

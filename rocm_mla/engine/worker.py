@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from rocm_mla.distributed import ParallelState, init_parallel
 from rocm_mla.engine.cache import CacheFullError, resolve_cache_dtype
+from rocm_mla.engine.graphs import DecodeGraphs
 from rocm_mla.engine.runner import DecodeAttention, Request, Runner
 from rocm_mla.inputs import FP8_DTYPES
 from rocm_mla.models.kimi_k3 import KimiK3ForCausalLM, StageIO, load_model
@@ -58,6 +59,8 @@ class EngineOptions:
     max_num_seqs: int = 16
     kv_cache_dtype: str | torch.dtype | None = None
     seed: int = 0
+    #: never capture decode steps in CUDA/HIP graphs (``rocm_mla.engine.graphs``)
+    enforce_eager: bool = False
 
 
 def _model_dtype(model: KimiK3ForCausalLM) -> torch.dtype:
@@ -161,13 +164,34 @@ class StageWorker:
             device,
             attention,
         )
+        # A single process on a GPU replays its decode steps from graphs; their padding rows
+        # write to one extra block and state slot that the runner never hands out.
+        self.graphs: DecodeGraphs | None = None
+        capture = comm is None and torch.device(device).type == "cuda" and not options.enforce_eager
+        spare = 1 if capture else 0
         self.caches = model.make_caches(
-            options.num_blocks,
+            options.num_blocks + spare,
             options.block_size,
-            options.max_num_seqs,
+            options.max_num_seqs + spare,
             device=device,
             kv_dtype=kv_dtype,
         )
+        if capture:
+            self.graphs = DecodeGraphs(
+                lambda meta, ids: self._forward(meta, ids),
+                kv_dtype=attention.kv_dtype,
+                q_dtype=attention.q_dtype,
+                num_heads=attention.num_heads,
+                head_dim_v=attention.head_dim_v,
+                rope_dim=attention.rope_dim,
+                backend=attention.backend,
+                block_size=options.block_size,
+                max_seqlen=config.max_position_embeddings,
+                max_batch=options.max_num_seqs,
+                trash_block=options.num_blocks,
+                trash_slot=options.max_num_seqs,
+                device=device,
+            )
         self.is_sampler = comm is None or comm.rank == comm.sampler
         self.generator = torch.Generator(device=device).manual_seed(options.seed)
 
@@ -270,7 +294,11 @@ class StageWorker:
                 if not active:
                     break
                 meta, ids = self.runner.decode(active)
-                new = self._next_tokens(self._forward(meta, ids), len(active), temperature)
+                if self.graphs is not None and self.graphs.can_run(meta):
+                    logits = self.graphs.run(meta, ids)
+                else:
+                    logits = self._forward(meta, ids)
+                new = self._next_tokens(logits, len(active), temperature)
         finally:
             for req in requests:
                 self.runner.finish(req)
