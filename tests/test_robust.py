@@ -506,9 +506,12 @@ def test_env_rendezvous_listens_on_master_addr_only(monkeypatch):
         _env_store(0, 2, 10.0)
 
 
-def test_every_listening_socket_of_the_engine_is_on_loopback(tiny):
+def test_every_listening_socket_of_the_engine_is_on_loopback(tiny, monkeypatch, capsys):
+    monkeypatch.setattr(llm_module, "PROGRESS_PRINT_S", 0.0)
     with LLM(tiny, pp=2, block_size=4, device="cpu") as llm:
-        assert llm.generate([[1, 2, 3]], 2)
+        assert llm.generate([[1, 2, 3]], 2, show_progress=True)
+        # The sampler rank's progress reaches this process (its first step always does).
+        assert "/2 new tokens for 1 prompt(s)" in capsys.readouterr().err
         ours = _listening_ports(_socket_inodes([os.getpid(), *llm.worker_pids]))
         assert llm._group._store.port in ours  # the rendezvous store, hosted here
         assert all(addrs <= LOOPBACK for addrs in ours.values()), ours
