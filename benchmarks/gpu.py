@@ -184,6 +184,28 @@ def engine_vs_transformers(prompt_len: int, long_context: int) -> list[dict]:
     return runs
 
 
+def profile_long_prefill(context: int, out_path: Path) -> str:
+    """torch.profiler summary of the engine's bf16 prefill of one ``context``-token prompt
+    (after a warm-up prefill), written next to the JSON: where a long prefill's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.e2e import write_checkpoint
+    from rocm_mla.engine import LLM
+
+    prompt = torch.randint(2, 32000, (context,), generator=torch.Generator().manual_seed(0))
+    with tempfile.TemporaryDirectory(prefix="rocm-mla-prof-") as tmp:
+        write_checkpoint(Path(tmp), 0)
+        blocks = -(-(context + 2) // 16)
+        with LLM(tmp, dtype="bfloat16", device="cuda", num_blocks=blocks, max_num_seqs=1) as llm:
+            llm.generate([prompt.tolist()], 1)
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with profile(activities=activities) as prof:
+                llm.generate([prompt.tolist()], 1)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    out_path.write_text(f"engine bf16 prefill of {context} tokens\n\n{table}\n")
+    return str(out_path)
+
+
 def plot(payload: dict, path: Path) -> None:
     import matplotlib
 
@@ -241,6 +263,11 @@ def main(argv: list[str] | None = None) -> dict:
             args.prompt_len, args.long_context
         )
     json_path = write_results("gpu", payload)
+    if not args.skip_e2e and args.long_context:
+        payload["prefill_profile"] = profile_long_prefill(
+            args.long_context, json_path.with_name(json_path.stem + "-prefill-profile.txt")
+        )
+        json_path = write_results("gpu", payload)
     plot(payload, json_path.with_suffix(".png"))
     print(f"wrote {json_path} and {json_path.with_suffix('.png').name} in {RESULTS_DIR}")
     assert all(math.isfinite(r["kernel_only_s"]) for r in payload["call_overhead"])
