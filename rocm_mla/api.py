@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import torch
 
 from rocm_mla.backends import available_backends, backend_class, select_backend
-from rocm_mla.backends.torch_ref import torch_merge_states
 from rocm_mla.inputs import (
     FP8_DTYPES,
     KV_DTYPES,
@@ -31,6 +30,7 @@ from rocm_mla.inputs import (
     check_seqlens_and_blocks,
     prepare_decode,
 )
+from rocm_mla.merge import torch_merge_states
 
 __all__ = ["DecodePlan", "available_backends", "merge_states", "mla_decode", "plan_decode"]
 

@@ -17,7 +17,7 @@ import torch
 
 import rocm_mla
 from rocm_mla.backends import backend_class
-from rocm_mla.backends.torch_ref import TorchMLAImpl, lse_merge_weights
+from rocm_mla.backends.torch_ref import TorchMLAImpl
 from rocm_mla.dcp import (
     RUNNER_CONTRACT,
     DecodeMetadata,
@@ -27,6 +27,7 @@ from rocm_mla.dcp import (
 )
 from rocm_mla.distributed import ParallelState, WorkerError, launch
 from rocm_mla.inputs import prepare_decode
+from rocm_mla.merge import lse_merge_weights
 from tests.reference import make_paged_problem
 
 HEAD_DIM, HEAD_DIM_V = 576, 512
@@ -82,7 +83,7 @@ CASES += [
     if backend == "torch" or world == 2
 ]
 #: Bad runner metadata: (name, what the layer gets instead of [B, S_q] local lengths).
-BAD_METADATA = ("missing", "per-request-shape", "wrong-rank")
+BAD_METADATA = ("absent", "missing", "per-request-shape", "wrong-rank")
 
 
 def skip_reason(case: Case) -> str | None:
@@ -199,6 +200,7 @@ def bad_metadata_error(state: ParallelState, kind: str) -> str:
     local_kv, local_table = shard(case, kv, block_table, rank)
     good = DecodeMetadata.build(local_table, seqlens, case.q_len, world, rank)
     bad = {
+        "absent": None,  # the runner built no DecodeMetadata at all
         "missing": DecodeMetadata(local_table, seqlens, None, world, rank),
         "per-request-shape": DecodeMetadata(
             local_table, seqlens, good.dcp_local_seq_lens[:, -1], world, rank

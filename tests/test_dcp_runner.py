@@ -148,7 +148,7 @@ def test_decode_metadata_build_fills_local_lengths_only_under_dcp():
 def test_slot_mapping_rejects_block_size_not_multiple_of_interleave():
     table = torch.zeros(1, 4, dtype=torch.int32)
     pos = torch.arange(8)
-    with pytest.raises(ValueError, match="multiple of the DCP interleave 4"):
+    with pytest.raises(ValueError, match="must be a multiple of dcp_interleave=4"):
         slot_mapping(pos, torch.zeros(8, dtype=torch.int64), table, 6, 2, 0, 4)
 
 

@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 import rocm_mla
-from rocm_mla.backends.torch_ref import torch_merge_states
 from rocm_mla.kernels.merge_states import TritonTarget, launch_merge, merge_states, triton_target
+from rocm_mla.merge import torch_merge_states
 from tests.reference import assert_same_attention
 
 if triton_target() is None:

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 import rocm_mla
 from rocm_mla.backends import requested_backend
+from rocm_mla.dcp import check_block_size
 from rocm_mla.distributed import (
     ParallelLayout,
     WorkerError,
@@ -566,10 +567,7 @@ class LLM:
             ("max_num_seqs", max_num_seqs),
         ):
             _positive_int(name, value)
-        if block_size % dcp_interleave:
-            raise ValueError(
-                f"block_size: {block_size} must be a multiple of dcp_interleave={dcp_interleave}"
-            )
+        check_block_size(block_size, dcp_interleave)
         if launcher not in ("spawn", "torchrun"):
             raise ValueError(f"launcher: expected 'spawn' or 'torchrun', got {launcher!r}")
         if isinstance(call_timeout_s, bool) or not (

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rocm_mla.dcp import DecodeMetadata, plan_step_decode, slot_mapping
+from rocm_mla.dcp import DecodeMetadata, check_block_size, plan_step_decode, slot_mapping
 from rocm_mla.engine.cache import FreeList, blocks_for
 from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
 
@@ -82,11 +82,7 @@ class Runner:
         device: torch.device | str = "cpu",
         attention: DecodeAttention | None = None,
     ) -> None:
-        if block_size % dcp_interleave:
-            raise ValueError(
-                f"block_size: {block_size} must be a multiple of dcp_interleave="
-                f"{dcp_interleave} (an interleave run of tokens must not straddle two blocks)"
-            )
+        check_block_size(block_size, dcp_interleave)
         self.blocks = FreeList(num_blocks, "KV cache blocks", "num_blocks")
         self.slots = FreeList(max_num_seqs, "sequence slots (KDA state rows)", "max_num_seqs")
         self.block_size = block_size

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rocm_mla.api import mla_decode
-from rocm_mla.dcp import RUNNER_CONTRACT, DecodeMetadata, dcp_mla_decode
+from rocm_mla.dcp import DecodeMetadata, dcp_mla_decode
 from rocm_mla.inputs import FP8_DTYPES, DecodePlan
 from rocm_mla.models.kimi_k3.config import KimiK3Config
 from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
@@ -159,11 +159,7 @@ class MultiHeadLatentAttention(nn.Module):
         mqa_q = mqa_q if fp8 else mqa_q.to(kv_cache.dtype)
         kv_scale = 1.0 if fp8 else None
         if self.dcp_size > 1:
-            if dcp is None:
-                raise ValueError(
-                    f"MLA decode with a DCP group of {self.dcp_size} ranks got no "
-                    f"ForwardMetadata.dcp; {RUNNER_CONTRACT}"
-                )
+            # dcp_mla_decode refuses missing runner metadata (RUNNER_CONTRACT).
             out = dcp_mla_decode(
                 mqa_q,
                 kv_cache,
