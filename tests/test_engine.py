@@ -25,7 +25,7 @@ from rocm_mla.engine import LLM, CacheFullError, WorkerError
 from rocm_mla.engine.cache import FreeList, blocks_for
 from rocm_mla.engine.runner import Runner
 from rocm_mla.models.kimi_k3 import load_model, make_tiny
-from rocm_mla.models.kimi_k3.generate import greedy_generate
+from tests.model_helpers import greedy_generate
 
 # Mixed lengths; 1 and 3 are shorter than dcp * interleave = 8.
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7, 60, 12, 3, 77], [100, 4, 8], [250], list(range(40, 66))]

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from rocm_mla.models.kimi_k3.config import KimiK3Config
 from rocm_mla.models.kimi_k3.loader import CheckpointError, load_model, make_tiny, tp_shard_dim
+from tests.model_helpers import contiguous_metadata
 
 
 def _linear_raw(**over):
@@ -110,11 +111,10 @@ def k3_dir(tmp_path_factory):
 
 
 def _logits(model):
-    from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
 
     with torch.no_grad():
         caches = model.make_caches(2, 8, 1)
-        return model(ForwardMetadata.contiguous([0], [5], 8, 2), caches, torch.arange(5))
+        return model(contiguous_metadata([0], [5], 8, 2), caches, torch.arange(5))
 
 
 def _rewrite(src, dst, edit):

@@ -12,10 +12,10 @@ from rocm_mla.models.kimi_k3 import mla as mla_module
 from rocm_mla.models.kimi_k3.attn_res import attn_res_mix
 from rocm_mla.models.kimi_k3.config import KimiK3Config
 from rocm_mla.models.kimi_k3.kda import KimiDeltaAttention, kda_chunked, kda_recurrent
-from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
 from rocm_mla.models.kimi_k3.mla import MultiHeadLatentAttention
 from rocm_mla.models.kimi_k3.moe import MoE, Router
 from rocm_mla.models.kimi_k3.ops import glu_activation, rms_norm
+from tests.model_helpers import contiguous_metadata
 
 
 @pytest.fixture(autouse=True)
@@ -167,14 +167,14 @@ def _mla_outputs(cfg, seed, lens=(7, 5), split=(4, 3)):
     x = torch.randn(sum(lens), cfg.hidden_size, generator=gen)
     block, blocks = 4, 3
     cache = torch.full((len(lens) * blocks, block, cfg.kv_cache_dim), float("nan"))
-    ref = layer(x, ForwardMetadata.contiguous([0, 0], list(lens), block, blocks), cache.clone())
+    ref = layer(x, contiguous_metadata([0, 0], list(lens), block, blocks), cache.clone())
     # Prefix through MHA, then the rest through the absorbed form (chunked, unequal lengths).
     starts = [0, lens[0]]
     first = torch.cat([x[s : s + n] for s, n in zip(starts, split, strict=True)])
     rest = torch.cat([x[s + n : s + m] for s, n, m in zip(starts, split, lens, strict=True)])
-    layer(first, ForwardMetadata.contiguous([0, 0], list(split), block, blocks), cache)
+    layer(first, contiguous_metadata([0, 0], list(split), block, blocks), cache)
     rest_lens = [m - n for m, n in zip(lens, split, strict=True)]
-    out = layer(rest, ForwardMetadata.contiguous(list(split), rest_lens, block, blocks), cache)
+    out = layer(rest, contiguous_metadata(list(split), rest_lens, block, blocks), cache)
     expect = torch.cat([ref[s + n : s + m] for s, n, m in zip(starts, split, lens, strict=True)])
     return out, expect, layer, x
 
@@ -205,7 +205,7 @@ def test_mla_output_gate_and_q_lora():
     layer = MultiHeadLatentAttention(cfg)
     _randomize(layer, 8)
     x = torch.randn(5, cfg.hidden_size)
-    meta = ForwardMetadata.contiguous([0], [5], 8, 1)
+    meta = contiguous_metadata([0], [5], 8, 1)
     cache = torch.zeros(1, 8, cfg.kv_cache_dim)
     q, _, _ = layer.project(x, meta.positions)
     # K3 reads the checkpoint's rms_norm_eps for the latent norms.
@@ -223,7 +223,7 @@ def test_mla_output_gate_and_q_lora():
 def test_mla_decode_without_absorbed_weights_raises():
     cfg = KimiK3Config.tiny("kimi_k3")
     layer = MultiHeadLatentAttention(cfg)
-    meta = ForwardMetadata.contiguous([3], [1], 4, 1)
+    meta = contiguous_metadata([3], [1], 4, 1)
     with pytest.raises(RuntimeError, match="absorb_weights"):
         layer(torch.randn(1, cfg.hidden_size), meta, torch.zeros(1, 4, cfg.kv_cache_dim))
 

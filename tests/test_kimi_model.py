@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rocm_mla.models.kimi_k3.loader import load_model, make_tiny
-from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
 from rocm_mla.models.kimi_k3.model import pp_layer_range
+from tests.model_helpers import contiguous_metadata
 
 BLOCK, MAX_BLOCKS = 4, 8
 
@@ -25,7 +25,7 @@ def k3(k3_dir):
 
 
 def _meta(ctx, new):
-    return ForwardMetadata.contiguous(ctx, new, BLOCK, MAX_BLOCKS)
+    return contiguous_metadata(ctx, new, BLOCK, MAX_BLOCKS)
 
 
 def _tokens(n, seed):

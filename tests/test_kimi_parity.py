@@ -12,8 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from rocm_mla.models.kimi_k3.generate import greedy_generate  # noqa: E402
 from rocm_mla.models.kimi_k3.loader import load_model  # noqa: E402
+from tests.model_helpers import greedy_generate  # noqa: E402
 
 BASE = dict(
     vocab_size=96,

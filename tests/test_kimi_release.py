@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from rocm_mla.models.kimi_k3.config import KimiK3Config
 from rocm_mla.models.kimi_k3.loader import load_model, make_tiny
-from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
 from rocm_mla.models.kimi_k3.mla import MultiHeadLatentAttention
+from tests.model_helpers import contiguous_metadata
 
 
 def _rms64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -132,7 +132,7 @@ def test_two_dimensional_short_conv_weights_load_the_same(tmp_path):
 
     def logits(model):
         with torch.no_grad():
-            meta = ForwardMetadata.contiguous([0], [5], 4, 8)
+            meta = contiguous_metadata([0], [5], 4, 8)
             return model(meta, model.make_caches(8, 4, 1), input_ids=ids)
 
     assert torch.equal(logits(load_model(dst)), logits(load_model(src)))

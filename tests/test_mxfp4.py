@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 from rocm_mla.models.kimi_k3 import mxfp4
 from rocm_mla.models.kimi_k3.config import KimiK3Config
 from rocm_mla.models.kimi_k3.loader import CheckpointError, load_model, make_tiny
-from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
 from rocm_mla.models.kimi_k3.model import KimiK3ForCausalLM
 from rocm_mla.models.kimi_k3.mxfp4 import (
     E2M1_VALUES,
@@ -27,6 +26,7 @@ from rocm_mla.models.kimi_k3.mxfp4 import (
     quantize_mxfp4,
     unpack_e2m1,
 )
+from tests.model_helpers import contiguous_metadata
 
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.3.w2"
@@ -45,8 +45,8 @@ def mx_model(mx_dir):
 def _logits(model, ids):
     with torch.no_grad():
         caches = model.make_caches(8, 4, 1)
-        pre = model(ForwardMetadata.contiguous([0], [len(ids)], 4, 8), caches, input_ids=ids)
-        dec = model(ForwardMetadata.contiguous([len(ids)], [1], 4, 8), caches,
+        pre = model(contiguous_metadata([0], [len(ids)], 4, 8), caches, input_ids=ids)
+        dec = model(contiguous_metadata([len(ids)], [1], 4, 8), caches,
                     input_ids=torch.tensor([7]))  # fmt: skip
     return torch.cat([pre, dec])
 
@@ -323,8 +323,8 @@ def test_gpu_model_matches_cpu(mx_dir, mx_model):
 def _logits_on(model, ids, device):
     with torch.no_grad():
         caches = model.make_caches(8, 4, 1)
-        pre = model(ForwardMetadata.contiguous([0], [len(ids)], 4, 8, device=device), caches,
+        pre = model(contiguous_metadata([0], [len(ids)], 4, 8, device=device), caches,
                     input_ids=ids.to(device))  # fmt: skip
-        dec = model(ForwardMetadata.contiguous([len(ids)], [1], 4, 8, device=device), caches,
+        dec = model(contiguous_metadata([len(ids)], [1], 4, 8, device=device), caches,
                     input_ids=torch.tensor([7], device=device))  # fmt: skip
     return torch.cat([pre, dec])

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from rocm_mla.distributed import launch
 from rocm_mla.models.kimi_k3.config import KimiK3Config
 from rocm_mla.models.kimi_k3.loader import CheckpointError, load_model, make_tiny
-from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
 from rocm_mla.models.kimi_k3.ops import vocab_shard
+from tests.model_helpers import contiguous_metadata
 
 VOCAB = 255  # odd: TP 2 pads the last shard by one row
 IDS = [0, 254, 127, 128, 5, 200, 64]
@@ -34,9 +34,9 @@ def tied_dir(tmp_path_factory):
 def _logits(model, ids=IDS):
     with torch.no_grad():
         caches = model.make_caches(8, 4, 1)
-        pre = model(ForwardMetadata.contiguous([0], [len(ids)], 4, 8), caches,
+        pre = model(contiguous_metadata([0], [len(ids)], 4, 8), caches,
                     input_ids=torch.tensor(ids))  # fmt: skip
-        dec = model(ForwardMetadata.contiguous([len(ids)], [1], 4, 8), caches,
+        dec = model(contiguous_metadata([len(ids)], [1], 4, 8), caches,
                     input_ids=torch.tensor([VOCAB - 1]))  # fmt: skip
     return torch.cat([pre, dec])
 
@@ -110,7 +110,7 @@ def test_pp_stages_with_tied_embeddings_equal_one_stage(tied_dir):
     outs = []
     with torch.no_grad():
         for ctx, ids in (([0], IDS), ([len(IDS)], [VOCAB - 1])):
-            meta = ForwardMetadata.contiguous(ctx, [len(ids)], 4, 8)
+            meta = contiguous_metadata(ctx, [len(ids)], 4, 8)
             io = first(meta, caches[0], input_ids=torch.tensor(ids))
             outs.append(last(meta, caches[1], intermediate=io))
     assert (torch.cat(outs) - ref).abs().max() <= 1e-5 * ref.abs().max()
