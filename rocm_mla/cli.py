@@ -109,17 +109,21 @@ def _tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
+def _engine_kwargs(args: argparse.Namespace, *names: str) -> dict:
+    """``LLM`` keyword arguments from the parsed flags. Flags left unset are not passed, so
+    the defaults live in one place (``EngineOptions``, which ``LLM``'s signature reads)."""
+    kwargs = dict(
         device=args.device,
         pp=args.pp,
         tp=args.tp,
         dcp=args.dcp,
-        dcp_interleave=args.dcp_interleave,
         backend=args.backend,
         dtype=args.dtype,
-        block_size=args.block_size,
     )
+    for name in ("dcp_interleave", "block_size", *names):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    return kwargs
 
 
 def _check_model_dir(model: str) -> None:
@@ -145,9 +149,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(
         args.model,
-        **_engine_kwargs(args),
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
+        **_engine_kwargs(args, "num_blocks", "max_num_seqs"),
         enforce_eager=args.enforce_eager,
         launcher="torchrun" if args.torchrun else "spawn",
     )
@@ -202,7 +204,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # rounding; with fewer GPUs than ranks that device is the CPU (placement says so).
     _, device = placement(args.pp * args.tp, args.device)
     kwargs = {**_engine_kwargs(args), "device": device}
-    layout = f"pp={args.pp}, tp={args.tp}, dcp={args.dcp} (interleave {args.dcp_interleave})"
+    layout = f"pp={args.pp}, tp={args.tp}, dcp={args.dcp}" + (
+        f" (interleave {args.dcp_interleave})" if args.dcp_interleave is not None else ""
+    )
     with tempfile.TemporaryDirectory(prefix="rocm-mla-demo-") as tmp:
         path = str(make_tiny("kimi_k3", Path(tmp) / "kimi_k3-tiny"))
         print(f"tiny Kimi-K3 checkpoint (make-tiny): {path}")
@@ -269,10 +273,10 @@ def _engine_args(p: argparse.ArgumentParser, pp: int, tp: int, dcp: int) -> None
     p.add_argument("--pp", type=int, default=pp, help="pipeline stages")
     p.add_argument("--tp", type=int, default=tp, help="tensor-parallel ranks per stage")
     p.add_argument("--dcp", type=int, default=dcp, help="decode context parallel size (divides tp)")
-    p.add_argument("--dcp-interleave", type=int, default=1)
+    p.add_argument("--dcp-interleave", type=int, default=None, help="(default: LLM's)")
     p.add_argument("--backend", default=None, help="auto|aiter|triton|torch (default: env/auto)")
     p.add_argument("--dtype", default=None, help="float32|float16|bfloat16 (default: checkpoint)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="(default: LLM's)")
     p.add_argument(
         "--device",
         default=None,
@@ -304,8 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--eos-token-id", type=int, default=None)
-    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per layer per rank")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="requests in flight at once")
+    p.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks per layer per rank (default: LLM's)"
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="requests in flight at once (default: LLM's)"
+    )
     p.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA/HIP graph capture of decode steps"
     )
