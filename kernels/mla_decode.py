@@ -188,6 +188,25 @@ def _remap_for_xcds(pid, num_programs, NUM_XCDS: tl.constexpr):
 
 
 @triton.jit
+def _to_fp8(x, FP8_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, EMULATE_MIN_EXP: tl.constexpr):
+    """``x`` rounded to fp8 e4m3 (in range by construction), returned as ``OUT_DTYPE``.
+
+    ``EMULATE_MIN_EXP`` (the interpreter: the exponent of the type's smallest normal, else
+    None): Triton 3.9's interpreter gets fp32 -> fp8 wrong (errors of 64 at values below
+    200), so the rounding is done in fp32 arithmetic: 3 mantissa bits, the exponent floored
+    at the smallest normal's (subnormals keep its ulp), to nearest with ties up.
+    """
+    if EMULATE_MIN_EXP is not None:
+        exp = tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30)))
+        exp = tl.maximum(exp, EMULATE_MIN_EXP)
+        ulp = tl.exp2(exp - 3.0)
+        y = (tl.floor(x / ulp + 0.5) * ulp).to(OUT_DTYPE)
+    else:
+        y = x.to(FP8_DTYPE).to(OUT_DTYPE)
+    return y
+
+
+@triton.jit
 def _mla_decode_stage1(
     q_ptr,  # [B, S_q, H, D]
     kv_ptr,  # [num_blocks, PAGE_SIZE, D], unit stride in D
@@ -229,6 +248,7 @@ def _mla_decode_stage1(
     QK_FP8: tl.constexpr,
     PV_FP8: tl.constexpr,
     FP8_DTYPE: tl.constexpr,
+    FP8_EMULATE_MIN_EXP: tl.constexpr,
     FP8_MAX: tl.constexpr,
     P_SCALE: tl.constexpr,
     NUM_XCDS: tl.constexpr,
@@ -286,10 +306,12 @@ def _mla_decode_stage1(
             q_amax = tl.maximum(q_amax, tl.max(tl.abs(q_nope_hi), axis=1))
         q_quant = tl.where(q_amax > 0, q_amax / FP8_MAX, 1.0)
         row_scale = qk_scale * q_quant
-        q_nope = (q_nope / q_quant[:, None]).to(FP8_DTYPE).to(K_DTYPE)
-        q_rope = (q_rope / q_quant[:, None]).to(FP8_DTYPE).to(K_DTYPE)
+        q_nope = _to_fp8(q_nope / q_quant[:, None], FP8_DTYPE, K_DTYPE, FP8_EMULATE_MIN_EXP)
+        q_rope = _to_fp8(q_rope / q_quant[:, None], FP8_DTYPE, K_DTYPE, FP8_EMULATE_MIN_EXP)
         if DV_CHUNKS == 2:
-            q_nope_hi = (q_nope_hi / q_quant[:, None]).to(FP8_DTYPE).to(K_DTYPE)
+            q_nope_hi = _to_fp8(
+                q_nope_hi / q_quant[:, None], FP8_DTYPE, K_DTYPE, FP8_EMULATE_MIN_EXP
+            )
     else:
         row_scale = tl.zeros([BLOCK_H], tl.float32) + qk_scale
         q_nope = q_nope.to(K_DTYPE)
@@ -352,7 +374,10 @@ def _mla_decode_stage1(
         weights = tl.exp2(scores - ref[:, None])
         denom = denom * rescale + tl.sum(weights, axis=1) + poison
         # Weights are <= 1; P_SCALE lifts them off fp8's subnormal floor (undone in out_scale).
-        p = (weights * P_SCALE).to(FP8_DTYPE).to(V_DTYPE) if PV_FP8 else weights.to(V_DTYPE)
+        if PV_FP8:
+            p = _to_fp8(weights * P_SCALE, FP8_DTYPE, V_DTYPE, FP8_EMULATE_MIN_EXP)
+        else:
+            p = weights.to(V_DTYPE)
         acc = tl.dot(p, kv_nope.to(V_DTYPE), acc * rescale[:, None], input_precision="ieee")
         if DV_CHUNKS == 2:
             acc_hi = tl.dot(
@@ -486,8 +511,9 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
     """The kernel's dtype constexprs: what each dot is fed, and whether Q / P go through fp8.
 
     The interpreter always computes in fp32 (it multiplies bf16 bit patterns in ``tl.dot``,
-    Triton issue 11584, and has no fp8 dot) but still rounds Q and P to fp8 when the config
-    asks, so the CPU tests check the GPU's numerics and scale bookkeeping.
+    Triton issue 11584, and has no fp8 dot) but still rounds Q and P to fp8 values when the
+    config asks (``_to_fp8``), so the CPU tests check the GPU's numerics and scale
+    bookkeeping.
     """
     fp8 = kv_dtype in _FP8_MAX
     interpreting = target.backend == "interpreter"
@@ -501,6 +527,10 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
         "QK_FP8": qk_fp8,
         "PV_FP8": pv_fp8,
         "FP8_DTYPE": _TL_DTYPES[fp8_dtype],
+        # Smallest normal exponents: e4m3fn 2^-6, e4m3fnuz 2^-7.
+        "FP8_EMULATE_MIN_EXP": (-6.0 if fp8_dtype == torch.float8_e4m3fn else -7.0)
+        if interpreting
+        else None,
         "FP8_MAX": _FP8_MAX[fp8_dtype],
         "P_SCALE": _P_SCALE[fp8_dtype] if pv_fp8 else 1.0,
     }

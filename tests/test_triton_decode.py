@@ -372,13 +372,19 @@ def test_gpu_production_shapes(dtype, heads, q_len):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_cache():
+@pytest.mark.parametrize(("heads", "q_len"), [(16, 1), (16, 2), (128, 1)])
+def test_gpu_fp8_cache(heads, q_len):
+    """The tuned fp8 path (fp8 dots where the GPU has them) with its rounding modelled."""
+    from tests.test_triton_tuning import assert_fp8_dot_result
+
     fp8 = next(d for d in TritonMLAImpl.capabilities.kv_dtypes if d.itemsize == 1)
-    q, kv, bt, lens = problem([2048, 5, 300], heads=16, q_len=2, block=1, dtype=torch.bfloat16)
+    q, kv, bt, lens = problem(
+        [2048, 5, 300], heads=heads, q_len=q_len, block=64, dtype=torch.bfloat16
+    )
     kv8 = (kv.float() / 0.5).to(fp8)
+    config = kernel.default_config(triton_target(), num_heads=heads, q_len=q_len, kv_dtype=fp8)
     out, lse = rocm_mla.mla_decode(q, kv8, bt, lens, kv_scale=0.5, backend="triton")
-    ref_out, ref_lse = rocm_mla.mla_decode(q, kv8, bt, lens, kv_scale=0.5, backend="torch")
-    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])
+    assert_fp8_dot_result(out, lse, q, kv8, bt, lens, 0.5, config, tol=TOL[torch.bfloat16])
 
 
 @pytest.mark.rocm
