@@ -7,7 +7,8 @@ passes both, so it launches with no host sync. Peers, in the same run on identic
 when they import:
 
 - ``vllm-triton``: vLLM's ``decode_attention_fwd``, called as its ``TritonMLAImpl.forward_mqa``
-  does (4 KV splits, fp32 ``attn_logits`` scratch, fp8 through ``k_scale``); S_q 1 only.
+  does (its split count, fp32 ``attn_logits`` scratch, fp8 through ``k_scale``/``v_scale``,
+  S_q > 1 flattened to one row per position).
 - ``flashmla``: ``flash_mla_with_kvcache`` + ``get_mla_metadata`` from a
   ``flash_mla_interface`` module: ``--flash-mla PATH`` / ``ROCM_MLA_FLASH_MLA`` (a file or
   folder), else ``flash_mla`` or vLLM's bundled ``vllm.third_party.flashmla``; bf16 cache,
@@ -285,31 +286,55 @@ def vllm_decode_attention():
     return None, reason
 
 
-def vllm_call(fn, problem):
-    """``decode_attention_fwd`` set up as ``TritonMLAImpl.forward_mqa`` sets it up."""
+def vllm_num_kv_splits(max_len: int, device) -> int:
+    """vLLM's own split count for this batch (0.33: a power of two of max_len / 512, at most
+    2 per SM); 4, the fixed count of older releases, when it has no such function."""
+    try:
+        module = importlib.import_module("vllm.v1.attention.backends.mla.triton_mla")
+        choose = module._compute_num_kv_splits
+    except Exception:  # an older layout: the fixed count it used
+        return 4
+    return choose(max_len, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def vllm_call(fn, problem, lens_host: torch.Tensor):
+    """``decode_attention_fwd`` set up as vLLM 0.33's ``TritonMLAImpl.forward_mqa`` sets it up.
+
+    S_q > 1 is flattened as it does: one row per (request, position), the block table
+    repeated, and row ``t`` of a window of ``S_q`` seeing ``len - S_q + 1 + t`` keys. That
+    per-call metadata is built once here, outside the timed call.
+    """
     q = problem.q
-    if q.shape[1] != 1:
-        return None, "vLLM's Triton MLA decode takes one query position per request"
-    if problem.kv_cache.shape[1] > 1 and q.dtype not in (torch.float16, torch.bfloat16):
-        return None, f"vLLM's Triton MLA needs fp16/bf16 q, got {q.dtype}"
-    batch, _, heads, _ = q.shape
-    splits = 4
-    q3 = q[:, 0]
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return None, f"vLLM's Triton MLA takes fp16/bf16 q, got {q.dtype}"
+    batch, q_len, heads, dim = q.shape
+    rows = q.reshape(batch * q_len, heads, dim)
+    table, lens = problem.block_table, problem.cache_seqlens
+    if q_len > 1:
+        table = table.repeat_interleave(q_len, dim=0)
+        offsets = torch.arange(1 - q_len, 1, device=lens.device, dtype=lens.dtype)
+        lens = (lens.unsqueeze(1) + offsets).flatten().clamp(min=0)
+    splits = vllm_num_kv_splits(int(lens_host.max()), q.device)
     kv4 = problem.kv_cache.unsqueeze(2)  # [blocks, page, 1, D]
-    o = torch.zeros(batch, heads, HEAD_DIM_V, dtype=q.dtype, device=q.device)
-    lse = torch.zeros(batch, heads, dtype=q.dtype, device=q.device)
-    logits = torch.empty(batch, heads, splits, HEAD_DIM_V + 1, dtype=torch.float32, device=q.device)
+    o = torch.zeros(batch * q_len, heads, HEAD_DIM_V, dtype=q.dtype, device=q.device)
+    lse = torch.zeros(batch * q_len, heads, dtype=q.dtype, device=q.device)
+    logits = torch.empty(
+        batch * q_len, heads, splits, HEAD_DIM_V + 1, dtype=torch.float32, device=q.device
+    )
     params = inspect.signature(fn).parameters
-    kwargs = {}
+    kwargs = {"is_mla": True} if "is_mla" in params else {}
     if problem.kv_scale is not None:
         if "k_scale" not in params:
             return None, "this vLLM's decode_attention_fwd has no fp8 k_scale"
-        kwargs["k_scale"] = torch.tensor(problem.kv_scale, dtype=torch.float32, device=q.device)
-    head = (q3, kv4, kv4[..., :HEAD_DIM_V], o) + ((lse,) if "lse" in params else ())
-    tail = (problem.block_table, problem.cache_seqlens, logits, splits, problem.softmax_scale)
+        scale = torch.tensor(problem.kv_scale, dtype=torch.float32, device=q.device)
+        kwargs["k_scale"] = scale
+        if "v_scale" in params:
+            kwargs["v_scale"] = scale
+    head = (rows, kv4, kv4[..., :HEAD_DIM_V], o) + ((lse,) if "lse" in params else ())
+    tail = (table, lens, logits, splits, problem.softmax_scale, kv4.shape[1])
 
     def call():
-        fn(*head, *tail, kv4.shape[1], **kwargs)
+        fn(*head, *tail, **kwargs)
         return o, lse
 
     return call, None
@@ -451,8 +476,10 @@ def run(args: argparse.Namespace) -> dict:
                 impl, _ = peers[runner]
                 if impl is None:
                     continue
-                maker = vllm_call if runner == "vllm-triton" else flash_mla_call
-                call, reason = maker(impl, problem)
+                if runner == "vllm-triton":
+                    call, reason = vllm_call(impl, problem, lens_host)
+                else:
+                    call, reason = flash_mla_call(impl, problem)
             else:
                 cls = ours[runner]
                 row["target"] = cls.target()

@@ -325,7 +325,7 @@ _SHARED_LIMIT = {"gfx942": 64 << 10, "gfx950": 160 << 10, "sm90": 227 << 10}
 @pytest.mark.parametrize(
     ("backend", "arch"), [("hip", "gfx942"), ("hip", "gfx950"), ("cuda", "sm90")]
 )
-def test_tuned_configs_compile_for_gpus_without_spilling(backend, arch):
+def test_default_configs_compile_for_gpus_without_spilling(backend, arch):
     """Every stage-1 config of the target's tuned table (and the merge) compiles for MI300X /
     MI355X / H100 with its launch options (HIP knobs included), fits the LDS/shared memory,
     and spills no VGPRs on AMD."""
