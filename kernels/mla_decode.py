@@ -287,20 +287,24 @@ def _mla_decode_stage1(
     q_rows = q_ptr + b.to(tl.int64) * stride_q_b + qpos * stride_q_i + head * stride_q_h
     q_nope = tl.load(
         q_rows[:, None] + offs_dv[None, :], mask=row_valid[:, None] & dv_mask[None, :], other=0.0
-    ).to(tl.float32)
+    )
     q_rope = tl.load(
         q_rows[:, None] + HEAD_DIM_V + offs_dr[None, :],
         mask=row_valid[:, None] & dr_mask[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
     if DV_CHUNKS == 2:
         q_nope_hi = tl.load(
             q_rows[:, None] + BLOCK_DV + offs_dv[None, :],
             mask=row_valid[:, None] & dv_mask_hi[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
     if QK_FP8:
         # Per-row fp8 quantization of Q; its scale joins the softmax scale of that row.
+        q_nope = q_nope.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+        if DV_CHUNKS == 2:
+            q_nope_hi = q_nope_hi.to(tl.float32)
         q_amax = tl.maximum(tl.max(tl.abs(q_nope), axis=1), tl.max(tl.abs(q_rope), axis=1))
         if DV_CHUNKS == 2:
             q_amax = tl.maximum(q_amax, tl.max(tl.abs(q_nope_hi), axis=1))
@@ -362,9 +366,11 @@ def _mla_decode_stage1(
         scores = scores * row_scale[:, None]
         seen_key = pos[None, :] < visible[:, None]
         # A NaN or infinite score of a visible key (NaN/Inf in q or the cache, an overflowing
-        # scale) must not pass for "no key" or weight 0: s - s is NaN exactly for those, and
-        # it poisons the row's denominator, hence its out and lse.
-        poison = tl.sum(tl.where(seen_key, scores - scores, 0.0), axis=1)
+        # scale) must not pass for "no key" or weight 0: it poisons the row's denominator,
+        # hence its out and lse. A comparison, not s - s, which FMA contraction may break.
+        nonfinite = tl.where(seen_key & (tl.abs(scores) < float("inf")), 0.0, 1.0)
+        nonfinite = tl.where(seen_key, nonfinite, 0.0)
+        poison = tl.where(tl.max(nonfinite, axis=1) > 0, float("nan"), 0.0)
         scores = tl.where(seen_key, scores, float("-inf"))
 
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
