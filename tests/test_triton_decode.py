@@ -201,7 +201,11 @@ def test_planned_splits_follow_the_target():
     lens = torch.tensor([32768], dtype=torch.int32, device=DEVICE)
     splits = kernel.plan_num_kv_splits(lens, 1, 16)
     target = triton_target()
-    assert splits == kernel.choose_num_kv_splits(1, 1, 32768.0, 32768, target.num_cus)
+    config = kernel.default_config(target, num_heads=16)
+    slots = target.num_cus * kernel.programs_per_cu(
+        kernel._group_config(config, 16), target, kv_dtype=torch.bfloat16
+    )
+    assert splits == kernel.choose_num_kv_splits(1, 1, 32768.0, 32768, slots)
     if target.backend == "interpreter":
         assert splits == 1  # programs run one at a time: splitting is pure overhead
 
