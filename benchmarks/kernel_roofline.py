@@ -405,7 +405,9 @@ def run(args: argparse.Namespace) -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     preset = "gpu" if args.gpu else (args.grid or ("full" if device != "cpu" else "tiny"))
-    ours = registry_backends(args.backends, args.interpreter)
+    # The --gpu preset compares kernels: the torch reference would only add minutes.
+    requested = args.backends or (["triton", "aiter"] if args.gpu else None)
+    ours = registry_backends(requested, args.interpreter)
     peers = {}
     if device != "cpu" and not args.no_peers:
         fn, reason = vllm_decode_attention()
@@ -600,7 +602,10 @@ def main(argv: list[str] | None = None) -> Path:
         "--grid", choices=("full", "tiny"), help="shape grid (default: full on a GPU, tiny on CPU)"
     )
     parser.add_argument(
-        "--backends", nargs="+", metavar="NAME", help="only these of our backends (default: all)"
+        "--backends",
+        nargs="+",
+        metavar="NAME",
+        help="only these of our backends (default: all; --gpu: triton and aiter)",
     )
     parser.add_argument("--no-peers", action="store_true", help="skip vLLM / FlashMLA")
     parser.add_argument(
