@@ -174,7 +174,9 @@ def tune_bucket(target, heads, q_len, kv_kind, args) -> dict:
         try:
             wrong = is_correct(planned, check, reference)
             if wrong is None:
-                ms = triton.testing.do_bench(decode_call(problem, planned, splits), rep=args.rep_ms)
+                ms = triton.testing.do_bench(
+                    decode_call(problem, planned, splits), rep=args.rep_ms, return_mode="median"
+                )
         except Exception as exc:  # a config past the shared memory or register budget
             record["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             timings.append(record)

@@ -510,7 +510,8 @@ _P_SCALE = {torch.float8_e4m3fn: 256.0, torch.float8_e4m3fnuz: 128.0}
 def _has_fp8_dot(target: TritonTarget) -> bool:
     if target.backend == "hip":
         return target.arch in ("gfx942", "gfx950")
-    return target.backend == "cuda" and int((target.arch or "sm0")[2:4]) >= 89
+    digits = "".join(ch for ch in (target.arch or "")[2:] if ch.isdigit())
+    return target.backend == "cuda" and int(digits or 0) >= 89  # sm89 (Ada) and later
 
 
 def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) -> dict:

@@ -294,11 +294,12 @@ else:
     fp8 = torch.float8_e4m3fn
 here = md.TritonTarget(backend, arch, 1)
 kv_dtypes = {"16bit": torch.bfloat16, "fp8": fp8, "fp32": torch.float32}
-kernels = {}
+kernels, used = {}, []
 for heads in tc.HEAD_BUCKETS:
     for q_len in tc.Q_LEN_BUCKETS:
         for kind, kv_dtype in kv_dtypes.items():
             entry = md.table_entry(here, num_heads=heads, q_len=q_len, kv_dtype=kv_dtype)
+            used.append(entry)
             config = md._group_config(entry.config, heads * q_len)
             q_dtype = torch.float32 if kv_dtype == torch.float32 else torch.bfloat16
             kernels.setdefault((config, kv_dtype, q_dtype), []).append((heads, q_len, kind))
@@ -315,6 +316,9 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
     stage1 = build(md._mla_decode_stage1, pointers, consts, target, config.launch_options(here))
     print(json.dumps({"kernel": "stage1", "config": config.to_dict(), "kv": str(kv_dtype),
                       "shapes": shapes, **stage1}))
+table = tc.TABLES[md.target_key(here)]
+unused = [str(k) for k, e in table.items() if not any(e is u for u in used)]
+print(json.dumps({"kernel": "coverage", "unused_entries": unused}))
 consts = dict(HEAD_DIM_V=512, BLOCK_P=4, BLOCK_R=1, BLOCK_D=256)
 pointers = {"outs_ptr": "*fp32", "lses_ptr": "*fp32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
 merge = build(ms._merge_states_kernel, pointers, consts, target, ms.merge_launch_options(here))
@@ -352,7 +356,9 @@ def test_default_configs_compile_for_gpus_without_spilling(backend, arch):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [k["kernel"] for k in kernels][-1] == "merge"
+    assert [k["kernel"] for k in kernels][-2:] == ["coverage", "merge"]
+    coverage = kernels.pop(-2)
+    assert coverage["unused_entries"] == [], "table entries no lookup reaches"
     # Each KV kind of the table got at least one compiled stage-1 kernel.
     kinds = {shape[2] for k in kernels[:-1] for shape in k["shapes"]}
     assert kinds == {"16bit", "fp8", "fp32"}

@@ -395,6 +395,10 @@ def test_dot_types_per_target():
     assert sm90["FP8_EMULATE_MIN_EXP"] is None and sm90["P_SCALE"] == 256.0
     gfx942 = kernel._dot_types(torch.bfloat16, torch.float8_e4m3fnuz, GFX942, cfg)
     assert gfx942["V_DTYPE"] == tl.float8e4b8 and gfx942["FP8_MAX"] == 240.0
+    sm100 = kernel._dot_types(
+        torch.bfloat16, torch.float8_e4m3fn, TritonTarget("cuda", "sm100", 148), cfg
+    )
+    assert sm100["QK_FP8"]
     # sm80 has no fp8 dot: the tiles are upcast to q's type.
     sm80 = kernel._dot_types(
         torch.bfloat16, torch.float8_e4m3fn, TritonTarget("cuda", "sm80", 1), cfg
