@@ -2,10 +2,12 @@
 
 The merge is ``rocm_mla.merge_states`` as a kernel: stage 2 of the split-KV decode and the
 decode-context-parallel combine both use it. Per output row it takes the partials' natural-
-log softmax denominators ``lse_n`` and weights partial ``n`` by ``exp(lse_n - max_n lse_n)``;
-a NaN or +inf lse marks a broken partial and, like -inf, contributes nothing (its output is
-never read into a sum, so it may be NaN). The arithmetic follows ``torch_merge_states`` step
-for step, in fp32.
+log softmax denominators ``lse_n`` and weights partial ``n`` by ``exp(lse_n - max_n lse_n)``.
+A partial with lse -inf saw no key and contributes nothing (its output is never read, so it
+may be NaN). A NaN or +inf lse, or a NaN output of a partial with weight > 0, is a broken
+result and makes the merged row NaN (out and lse): it must not pass for an empty shard. A
+row whose partials are all empty gives out 0, lse -inf. The arithmetic follows
+``torch_merge_states`` (``lse_merge_weights``) step for step, in fp32.
 
 This module also owns the Triton target probe (``triton_target``), because both kernels
 need it to choose launch options and it must sit below ``mla_decode`` in the import order.
@@ -105,59 +107,75 @@ def _merge_states_kernel(
     BLOCK_D: tl.constexpr,
 ):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_p = tl.arange(0, BLOCK_P)
     r_mask = offs_r < num_rows
-    d_mask = offs_d < HEAD_DIM_V
+    # Index x stride products are int64: N x R x Dv partials can pass 2^31 elements.
     lse_rows = lses_ptr + offs_r.to(tl.int64) * stride_lses_r
+    part_rows = outs_ptr + offs_r.to(tl.int64) * stride_outs_r
+    out_rows = out_ptr + offs_r.to(tl.int64) * stride_out_r
 
-    # Pass 1: the largest valid lse of each row.
+    # Pass 1: the largest finite lse of each row, and whether any lse is NaN or +inf.
     top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    broken = tl.zeros([BLOCK_R], tl.int32)
     for p0 in range(0, num_parts, BLOCK_P):
-        p = p0 + offs_p
+        p = (p0 + offs_p).to(tl.int64)
         lse = tl.load(
             lse_rows[None, :] + p[:, None] * stride_lses_n,
             mask=(p < num_parts)[:, None] & r_mask[None, :],
             other=float("-inf"),
         ).to(tl.float32)
-        lse = tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
-        top = tl.maximum(top, tl.max(lse, axis=0))
-    # A row with no valid partial keeps exp(-inf - 0) = 0 weights, never inf - inf.
+        bad = (lse != lse) | (lse == float("inf"))
+        broken = tl.maximum(broken, tl.max(bad.to(tl.int32), axis=0))
+        top = tl.maximum(top, tl.max(tl.where(bad, float("-inf"), lse), axis=0))
+    # A row with no finite partial keeps exp(-inf - 0) = 0 weights, never inf - inf.
     ref = tl.where(top == float("-inf"), 0.0, top)
 
-    # Pass 2: weights exp(lse - ref); partials with weight 0 are never read into the sum.
+    # Pass 2, per Dv chunk: weights exp(lse - ref); partials with weight 0 are never read.
+    # A NaN output of a partial with weight > 0 reaches acc; any NaN in a row's acc (any
+    # chunk) is a broken row, so the whole row is rewritten as NaN after the last chunk.
     total = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    out_rows = outs_ptr + offs_r.to(tl.int64) * stride_outs_r
-    for p0 in range(0, num_parts, BLOCK_P):
-        p = p0 + offs_p
-        p_mask = p < num_parts
-        lse = tl.load(
-            lse_rows[None, :] + p[:, None] * stride_lses_n,
-            mask=p_mask[:, None] & r_mask[None, :],
-            other=float("-inf"),
-        ).to(tl.float32)
-        lse = tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
-        weight = tl.exp(lse - ref[None, :])  # [BLOCK_P, BLOCK_R]
-        total += tl.sum(weight, axis=0)
-        part = tl.load(
-            out_rows[None, :, None] + p[:, None, None] * stride_outs_n + offs_d[None, None, :],
-            mask=(weight > 0)[:, :, None] & d_mask[None, None, :],
-            other=0.0,
-        ).to(tl.float32)
-        acc += tl.sum(part * weight[:, :, None], axis=0)
+    for d0 in tl.static_range(0, HEAD_DIM_V, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM_V
+        total = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        for p0 in range(0, num_parts, BLOCK_P):
+            p = (p0 + offs_p).to(tl.int64)
+            lse = tl.load(
+                lse_rows[None, :] + p[:, None] * stride_lses_n,
+                mask=(p < num_parts)[:, None] & r_mask[None, :],
+                other=float("-inf"),
+            ).to(tl.float32)
+            lse = tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
+            weight = tl.exp(lse - ref[None, :])  # [BLOCK_P, BLOCK_R]
+            total += tl.sum(weight, axis=0)
+            part = tl.load(
+                part_rows[None, :, None] + p[:, None, None] * stride_outs_n + offs_d[None, None, :],
+                mask=(weight > 0)[:, :, None] & d_mask[None, None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += tl.sum(part * weight[:, :, None], axis=0)
+        nan_cols = tl.where(d_mask[None, :] & (acc != acc), 1, 0)
+        broken = tl.maximum(broken, tl.max(nan_cols, axis=1))
+        safe_total = tl.where(total > 0, total, 1.0)
+        merged = tl.where((total > 0)[:, None], acc / safe_total[:, None], 0.0)
+        tl.store(
+            out_rows[:, None] + offs_d[None, :], merged, mask=r_mask[:, None] & d_mask[None, :]
+        )
 
+    poisoned = broken > 0
+    for d0 in tl.static_range(0, HEAD_DIM_V, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        nan_tile = tl.full([BLOCK_R, BLOCK_D], float("nan"), tl.float32)
+        tl.store(
+            out_rows[:, None] + offs_d[None, :],
+            nan_tile,
+            mask=(r_mask & poisoned)[:, None] & (offs_d < HEAD_DIM_V)[None, :],
+        )
     seen = total > 0
-    safe_total = tl.where(seen, total, 1.0)
-    merged = tl.where(seen[:, None], acc / safe_total[:, None], 0.0)
-    tl.store(
-        out_ptr + offs_r.to(tl.int64)[:, None] * stride_out_r + offs_d[None, :],
-        merged,
-        mask=r_mask[:, None] & d_mask[None, :],
-    )
-    if tl.program_id(1) == 0:
-        out_lse = tl.where(seen, ref + tl.log(safe_total), float("-inf"))
-        tl.store(out_lse_ptr + offs_r, out_lse, mask=r_mask)
+    out_lse = tl.where(seen, ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    out_lse = tl.where(poisoned, float("nan"), out_lse)
+    tl.store(out_lse_ptr + offs_r, out_lse, mask=r_mask)
 
 
 def launch_merge(
@@ -186,13 +204,13 @@ def launch_merge(
         block_d = min(triton.next_power_of_2(head_dim_v), 512)
         block_r = max(1, min(triton.next_power_of_2(rows), (1 << 18) // (block_p * block_d)))
     else:
-        # One row per GPU program (rows are plenty) and a [4, 1, 256] tile: 16 fp32 values
-        # per lane in one 64-lane AMD wave, where a [16, 1, 512] tile spills registers.
+        # One row per GPU program (rows are plenty), Dv in chunks of 256 and a [4, 1, 256]
+        # tile: 16 fp32 values per lane in one 64-lane AMD wave, where a [16, 1, 512] tile
+        # spills registers.
         block_p = min(triton.next_power_of_2(max(num_parts, 1)), 4)
         block_d = min(triton.next_power_of_2(head_dim_v), 256)
         block_r = 1
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(head_dim_v, block_d))
-    _merge_states_kernel[grid](
+    _merge_states_kernel[(triton.cdiv(rows, block_r),)](
         outs,
         lses,
         out,
@@ -220,8 +238,9 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
         lses: ``[N, ...rows]`` their natural-log softmax denominators.
 
     Returns:
-        ``(out [...rows, Dv] in outs' dtype, lse [...rows] float32)``. Partials with a -inf,
-        +inf or NaN lse contribute nothing; a row with no valid partial gives out 0, lse -inf.
+        ``(out [...rows, Dv] in outs' dtype, lse [...rows] float32)``. Partials with lse -inf
+        contribute nothing; a NaN or +inf lse, or a NaN output with weight > 0, makes the row
+        NaN (out and lse); a row whose partials are all empty gives out 0, lse -inf.
     """
     if outs.dim() < 2 or lses.shape != outs.shape[:-1]:
         raise ValueError(

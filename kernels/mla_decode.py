@@ -4,30 +4,52 @@ Absorbed MLA is MQA over a latent cache: every query head scores the same ``D = 
 wide row per token, and V is the first ``Dv`` columns of that row. The S_q query positions
 of a request (a speculative-decoding verify window) also share those rows, so the kernel
 folds them into the head axis: row ``r = i * H + h`` of a request is query position ``i``,
-head ``h``, and a program serves ``BLOCK_H`` such rows at once.
+head ``h``, and a program serves ``BLOCK_H`` such rows at once (64 on Hopper, the M of one
+wgmma), so each KV tile is loaded once for all of them.
 
 Stage 1: one program per (request, row group, KV split). It walks its slice of the request's
 keys in ``[BLOCK_N, D]`` tiles gathered through the block table. Each tile is loaded once
-and serves both ``Q K^T`` (all ``D`` columns) and ``P V`` (its first ``Dv`` columns). The
-softmax is online, in fp32 and base 2; each split writes its normalized fp32 output and its
-natural-log lse. With one split it writes the final output directly.
+and serves both ``Q K^T`` (all ``D`` columns) and ``P V`` (its first ``Dv`` columns); with
+``dv_chunks=2`` the V columns and the accumulator are two ``Dv/2`` halves, two smaller dots
+that reuse one ``P``. The softmax is online, in fp32 and base 2; each split writes its
+normalized fp32 output and its natural-log lse. With one split it writes the final output.
 
 Stage 2: the exact LSE merge of the splits (``merge_states.launch_merge``).
 
 fp8 caches carry one per-tensor dequant scale: it multiplies the softmax scale for ``Q K^T``
-and the output for ``P V``, so tiles are never rescaled inside the loop.
+and the output for ``P V``, so tiles are never rescaled inside the loop. Where the hardware
+has fp8 dots (sm89+, gfx942, gfx950) the tiles feed them as they are: Q is quantized per row
+(its scale joins that row's softmax scale) and the softmax weights are quantized with a
+fixed power-of-two lift. Elsewhere the tiles are upcast to Q's 16-bit type.
+
+Non-finite input is never mistaken for "no key": a NaN or infinite score of a key a row may
+see (NaN/Inf in q or in a visible cache element, an overflowing scale) makes that row's out
+and lse NaN; rows with no visible key give out 0 and lse -inf.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from rocm_mla.kernels.merge_states import TritonTarget, launch_merge, triton_target
+from rocm_mla.kernels.tuned_configs import LaunchConfig, TableEntry, lookup
+
+__all__ = [
+    "LaunchConfig",
+    "choose_num_kv_splits",
+    "default_config",
+    "mla_decode",
+    "plan_launch",
+    "plan_num_kv_splits",
+    "programs_per_cu",
+    "table_entry",
+    "target_key",
+]
 
 #: Split-count heuristic (the shape of AITER's): programs should fill whole waves of compute
 #: units, and every extra split costs about this many tokens of work (its prologue, the
@@ -37,76 +59,82 @@ SPLIT_OVERHEAD_TOKENS = 84.0
 MIN_TOKENS_PER_SPLIT = 256
 #: Upper bound on splits (stage 2 reads them all back per output row).
 MAX_SPLITS = 32
-#: AMD MI300X/MI355X have 8 XCDs, each with its own L2; workgroups go to them round-robin.
-_XCDS = {"gfx942": 8, "gfx950": 8}
+
+#: Per compute unit: (shared memory / LDS bytes, register file bytes, resident warps/waves).
+#: H100/H200: 228 KB shared, 64K 32-bit registers, 64 warps. MI300X: 64 KB LDS, 4 SIMDs x 512
+#: VGPRs x 64 lanes, 32 waves. MI355X: 160 KB LDS, same VGPRs. Others: an A100-like floor.
+_CU_RESOURCES = {
+    "sm90": (228 << 10, 256 << 10, 64),
+    "gfx942": (64 << 10, 512 << 10, 32),
+    "gfx950": (160 << 10, 512 << 10, 32),
+    "fallback": (164 << 10, 256 << 10, 64),
+}
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Block shapes and launch options of stage 1 (stage 2 has its own, see merge_states).
-
-    ``waves_per_eu``, ``matrix_instr_nonkdim`` and ``kpack`` are AMD compiler options: they are
-    passed to the launch only when the target is hip (``None`` leaves them out).
-    """
-
-    block_h: int  #: query rows (S_q x heads) per program; the dots' M dimension
-    block_n: int  #: keys per tile
-    num_warps: int
-    num_stages: int
-    num_xcds: int = 1  #: > 1 remaps program ids so one request's programs share an XCD
-    waves_per_eu: int | None = None
-    matrix_instr_nonkdim: int | None = None
-    kpack: int | None = None
-
-    def launch_options(self, target: TritonTarget | None) -> dict:
-        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
-        if target is not None and target.backend == "hip":
-            for key in ("waves_per_eu", "matrix_instr_nonkdim", "kpack"):
-                value = getattr(self, key)
-                if value is not None:
-                    options[key] = value
-        return options
+def target_key(target: TritonTarget | None) -> str:
+    """The ``tuned_configs.TABLES`` key of a target: sm90, gfx942, gfx950, fallback, interpreter."""
+    if target is None or target.backend == "interpreter":
+        return "interpreter"
+    if target.backend == "cuda" and (target.arch or "").startswith("sm90"):
+        return "sm90"
+    if target.backend == "hip":
+        # Other AMD archs take the MI300X shapes (see default_config); MI355X has its own.
+        return "gfx950" if target.arch == "gfx950" else "gfx942"
+    return "fallback"
 
 
-def default_config(target: TritonTarget | None) -> LaunchConfig:
-    """Per-target stage-1 defaults.
+def table_entry(
+    target: TritonTarget | None,
+    *,
+    num_heads: int = 16,
+    q_len: int = 1,
+    kv_dtype: torch.dtype = torch.bfloat16,
+) -> TableEntry:
+    """The tuned-table entry (config and where it comes from) for a shape on ``target``."""
+    entry = lookup(target_key(target), num_heads, q_len, kv_dtype)
+    if target is not None and target.backend == "hip" and target.arch not in ("gfx942", "gfx950"):
+        # No XCD remap or kpack outside the two archs they were written for.
+        config = replace(entry.config, num_xcds=1, kpack=None)
+        entry = TableEntry(config, f"{entry.source} (gfx942 entry, adapted for {target.arch})")
+    return entry
 
-    - gfx942 (MI300X): 64 KB of LDS per CU, so 16-key tiles of 576 columns and no software
-      pipelining; one wave per SIMD leaves the registers to the [16, 512] fp32 accumulator;
-      16x16 MFMA with kpack 2 (sglang/vLLM's MI3xx settings); 8 XCDs.
-    - gfx950 (MI355X): 160 KB of LDS allows double-buffered tiles; 8 warps split the
-      accumulator so it fits without spills (32-key tiles with 8 warps spill ~120 VGPRs in
-      Triton 3.9's gfx950 code); kpack is deprecated there (the compiler forces 1), so it
-      is not passed.
-    - Other hip archs: the gfx942 tile shape, no XCD remap.
-    - CUDA: 32-key tiles, two stages.
-    - Interpreter: 64 rows x 64 keys per program, because every program and every loop
-      iteration costs Python time there.
+
+def default_config(
+    target: TritonTarget | None,
+    *,
+    num_heads: int = 16,
+    q_len: int = 1,
+    kv_dtype: torch.dtype = torch.bfloat16,
+) -> LaunchConfig:
+    """The tuned stage-1 config for a shape on ``target`` (``kernels/tuned_configs.py``)."""
+    return table_entry(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype).config
+
+
+def programs_per_cu(
+    config: LaunchConfig,
+    target: TritonTarget | None,
+    *,
+    kv_dtype: torch.dtype,
+    head_dim: int = 576,
+    head_dim_v: int = 512,
+) -> int:
+    """Stage-1 programs one compute unit holds at once, estimated from the config's footprint.
+
+    Shared memory: ``num_stages`` KV tiles (at least one: the dots read it from there).
+    Registers: the fp32 accumulator, the Q tile and two ``[BLOCK_H, BLOCK_N]`` fp32 score
+    tiles, plus the KV tile on AMD (MFMA operands come from VGPRs). Warps: the resident
+    limit. An estimate, not the compiler's answer: it only has to rank split counts.
     """
     if target is None or target.backend == "interpreter":
-        return LaunchConfig(block_h=64, block_n=64, num_warps=4, num_stages=1)
+        return 1
+    smem_cap, reg_cap, warp_cap = _CU_RESOURCES.get(target_key(target), _CU_RESOURCES["fallback"])
+    kv_bytes = kv_dtype.itemsize
+    tile = config.block_n * head_dim * kv_bytes
+    smem = max(config.num_stages, 1) * tile
+    regs = config.block_h * (head_dim_v * 4 + head_dim * 2 + config.block_n * 8)
     if target.backend == "hip":
-        if target.arch == "gfx950":
-            return LaunchConfig(
-                block_h=16,
-                block_n=16,
-                num_warps=8,
-                num_stages=2,
-                num_xcds=_XCDS["gfx950"],
-                waves_per_eu=1,
-                matrix_instr_nonkdim=16,
-            )
-        return LaunchConfig(
-            block_h=16,
-            block_n=16,
-            num_warps=4,
-            num_stages=1,
-            num_xcds=_XCDS.get(target.arch or "", 1),
-            waves_per_eu=1,
-            matrix_instr_nonkdim=16,
-            kpack=2 if target.arch == "gfx942" else None,
-        )
-    return LaunchConfig(block_h=16, block_n=32, num_warps=4, num_stages=2)
+        regs += tile
+    return max(1, min(smem_cap // smem, reg_cap // regs, warp_cap // config.num_warps))
 
 
 def choose_num_kv_splits(
@@ -115,10 +143,11 @@ def choose_num_kv_splits(
     """Splits per request that best trade compute-unit fill against per-split overhead.
 
     Score of ``s`` splits = fill x efficiency, where fill = programs / (programs rounded up
-    to whole waves of ``num_cus``) with programs = ``batch * num_groups * s``, and efficiency
-    = ``mean_len / (mean_len + SPLIT_OVERHEAD_TOKENS * s)``. Candidates run from 1 to
-    ``MAX_SPLITS`` while the longest request keeps ``MIN_TOKENS_PER_SPLIT`` keys per split;
-    ties go to fewer splits.
+    to whole waves of ``num_cus`` slots) with programs = ``batch * num_groups * s``, and
+    efficiency = ``mean_len / (mean_len + SPLIT_OVERHEAD_TOKENS * s)``. Candidates run from 1
+    to ``MAX_SPLITS`` while the longest request keeps ``MIN_TOKENS_PER_SPLIT`` keys per split;
+    ties go to fewer splits. ``num_cus`` is the number of programs that run at once: compute
+    units x ``programs_per_cu`` in ``plan_launch``.
     """
     if mean_len <= 0 or max_len <= 0:
         return 1
@@ -159,6 +188,25 @@ def _remap_for_xcds(pid, num_programs, NUM_XCDS: tl.constexpr):
 
 
 @triton.jit
+def _to_fp8(x, FP8_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, EMULATE_MIN_EXP: tl.constexpr):
+    """``x`` rounded to fp8 e4m3 (in range by construction), returned as ``OUT_DTYPE``.
+
+    ``EMULATE_MIN_EXP`` (the interpreter: the exponent of the type's smallest normal, else
+    None): Triton 3.9's interpreter gets fp32 -> fp8 wrong (errors of 64 at values below
+    200), so the rounding is done in fp32 arithmetic: 3 mantissa bits, the exponent floored
+    at the smallest normal's (subnormals keep its ulp), to nearest with ties up.
+    """
+    if EMULATE_MIN_EXP is not None:
+        exp = tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30)))
+        exp = tl.maximum(exp, EMULATE_MIN_EXP)
+        ulp = tl.exp2(exp - 3.0)
+        y = (tl.floor(x / ulp + 0.5) * ulp).to(OUT_DTYPE)
+    else:
+        y = x.to(FP8_DTYPE).to(OUT_DTYPE)
+    return y
+
+
+@triton.jit
 def _mla_decode_stage1(
     q_ptr,  # [B, S_q, H, D]
     kv_ptr,  # [num_blocks, PAGE_SIZE, D], unit stride in D
@@ -167,7 +215,7 @@ def _mla_decode_stage1(
     out_ptr,  # [splits, B, S_q, H, Dv] (fp32 partials) or [B, S_q, H, Dv] (final, 1 split)
     lse_ptr,  # [splits, B, S_q, H] fp32 or [B, S_q, H]
     qk_scale,  # softmax scale x kv dequant scale x log2(e): scores in base 2
-    v_scale,  # kv dequant scale, applied to the output
+    out_scale,  # kv dequant scale / P_SCALE, applied to the output
     num_groups,
     num_splits,
     stride_q_b,
@@ -193,8 +241,16 @@ def _mla_decode_stage1(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    DV_CHUNKS: tl.constexpr,
     BLOCK_DR: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr,
+    K_DTYPE: tl.constexpr,
+    V_DTYPE: tl.constexpr,
+    QK_FP8: tl.constexpr,
+    PV_FP8: tl.constexpr,
+    FP8_DTYPE: tl.constexpr,
+    FP8_EMULATE_MIN_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    P_SCALE: tl.constexpr,
     NUM_XCDS: tl.constexpr,
 ):
     num_programs = tl.num_programs(0)
@@ -207,10 +263,14 @@ def _mla_decode_stage1(
     seqlen = tl.load(seqlens_ptr + b)
     rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
     row_valid = rows < Q_LEN * NUM_HEADS
-    qpos = rows // NUM_HEADS
-    head = rows % NUM_HEADS
+    # Index x stride products are int64: a cache view or a batch of q can pass 2^31 elements.
+    qpos = (rows // NUM_HEADS).to(tl.int64)
+    head = (rows % NUM_HEADS).to(tl.int64)
     # Causal: query i of S_q sees keys [0, L - S_q + i].
-    visible = seqlen - (Q_LEN - 1) + qpos if CAUSAL else tl.zeros([BLOCK_H], tl.int32) + seqlen
+    if CAUSAL:
+        visible = seqlen - (Q_LEN - 1) + (rows // NUM_HEADS)
+    else:
+        visible = tl.zeros([BLOCK_H], tl.int32) + seqlen
     visible = tl.where(row_valid, visible, 0)
 
     # Split s of this request covers keys [s * chunk, (s + 1) * chunk), chunk a multiple of
@@ -222,61 +282,121 @@ def _mla_decode_stage1(
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
     dv_mask = offs_dv < HEAD_DIM_V
+    dv_mask_hi = BLOCK_DV + offs_dv < HEAD_DIM_V
     dr_mask = offs_dr < ROPE_DIM
     q_rows = q_ptr + b.to(tl.int64) * stride_q_b + qpos * stride_q_i + head * stride_q_h
     q_nope = tl.load(
         q_rows[:, None] + offs_dv[None, :], mask=row_valid[:, None] & dv_mask[None, :], other=0.0
-    ).to(COMPUTE_DTYPE)
+    )
     q_rope = tl.load(
         q_rows[:, None] + HEAD_DIM_V + offs_dr[None, :],
         mask=row_valid[:, None] & dr_mask[None, :],
         other=0.0,
-    ).to(COMPUTE_DTYPE)
+    )
+    if DV_CHUNKS == 2:
+        q_nope_hi = tl.load(
+            q_rows[:, None] + BLOCK_DV + offs_dv[None, :],
+            mask=row_valid[:, None] & dv_mask_hi[None, :],
+            other=0.0,
+        )
+    if QK_FP8:
+        # Per-row fp8 quantization of Q; its scale joins the softmax scale of that row.
+        q_nope = q_nope.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+        if DV_CHUNKS == 2:
+            q_nope_hi = q_nope_hi.to(tl.float32)
+        q_amax = tl.maximum(tl.max(tl.abs(q_nope), axis=1), tl.max(tl.abs(q_rope), axis=1))
+        if DV_CHUNKS == 2:
+            q_amax = tl.maximum(q_amax, tl.max(tl.abs(q_nope_hi), axis=1))
+        q_quant = tl.where(q_amax > 0, q_amax / FP8_MAX, 1.0)
+        row_scale = qk_scale * q_quant
+        q_nope = _to_fp8(q_nope / q_quant[:, None], FP8_DTYPE, K_DTYPE, FP8_EMULATE_MIN_EXP)
+        q_rope = _to_fp8(q_rope / q_quant[:, None], FP8_DTYPE, K_DTYPE, FP8_EMULATE_MIN_EXP)
+        if DV_CHUNKS == 2:
+            q_nope_hi = _to_fp8(
+                q_nope_hi / q_quant[:, None], FP8_DTYPE, K_DTYPE, FP8_EMULATE_MIN_EXP
+            )
+    else:
+        row_scale = tl.zeros([BLOCK_H], tl.float32) + qk_scale
+        q_nope = q_nope.to(K_DTYPE)
+        q_rope = q_rope.to(K_DTYPE)
+        if DV_CHUNKS == 2:
+            q_nope_hi = q_nope_hi.to(K_DTYPE)
 
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    if DV_CHUNKS == 2:
+        acc_hi = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     block_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
 
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         in_range = pos < end
         block = tl.load(block_row + pos // PAGE_SIZE, mask=in_range, other=0)
-        token = kv_ptr + block.to(tl.int64) * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
+        token = (
+            kv_ptr
+            + block.to(tl.int64) * stride_kv_block
+            + (pos % PAGE_SIZE).to(tl.int64) * stride_kv_token
+        )
         # Masked loads: slots past a request's length may hold NaN, and NaN * 0 is NaN, so
         # they must never enter a product, not even with a zero weight.
         kv_nope = tl.load(
             token[:, None] + offs_dv[None, :],
             mask=in_range[:, None] & dv_mask[None, :],
             other=0.0,
-        ).to(COMPUTE_DTYPE)
+        )
         kv_rope = tl.load(
             token[:, None] + HEAD_DIM_V + offs_dr[None, :],
             mask=in_range[:, None] & dr_mask[None, :],
             other=0.0,
-        ).to(COMPUTE_DTYPE)
-
-        # "ieee": fp32 tiles must not be rounded to tf32 (16-bit inputs are exact anyway).
-        scores = tl.dot(q_nope, tl.trans(kv_nope), input_precision="ieee")
-        scores = tl.dot(q_rope, tl.trans(kv_rope), scores, input_precision="ieee")
-        scores = scores * qk_scale
-        scores = tl.where(pos[None, :] < visible[:, None], scores, float("-inf"))
+        )
+        # "ieee": fp32 tiles must not be rounded to tf32 (16-bit and fp8 inputs are exact).
+        scores = tl.dot(q_nope, tl.trans(kv_nope.to(K_DTYPE)), input_precision="ieee")
+        if DV_CHUNKS == 2:
+            kv_nope_hi = tl.load(
+                token[:, None] + BLOCK_DV + offs_dv[None, :],
+                mask=in_range[:, None] & dv_mask_hi[None, :],
+                other=0.0,
+            )
+            scores = tl.dot(
+                q_nope_hi, tl.trans(kv_nope_hi.to(K_DTYPE)), scores, input_precision="ieee"
+            )
+        scores = tl.dot(q_rope, tl.trans(kv_rope.to(K_DTYPE)), scores, input_precision="ieee")
+        scores = scores * row_scale[:, None]
+        seen_key = pos[None, :] < visible[:, None]
+        # A NaN or infinite score of a visible key (NaN/Inf in q or the cache, an overflowing
+        # scale) must not pass for "no key" or weight 0: it poisons the row's denominator,
+        # hence its out and lse. A comparison, not s - s, which FMA contraction may break.
+        nonfinite = tl.where(seen_key & (tl.abs(scores) < float("inf")), 0.0, 1.0)
+        nonfinite = tl.where(seen_key, nonfinite, 0.0)
+        poison = tl.where(tl.max(nonfinite, axis=1) > 0, float("nan"), 0.0)
+        scores = tl.where(seen_key, scores, float("-inf"))
 
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         # Rows that have seen no key yet keep weight 0 without ever computing inf - inf.
         ref = tl.where(new_max == float("-inf"), 0.0, new_max)
         rescale = tl.exp2(running_max - ref)
         weights = tl.exp2(scores - ref[:, None])
-        denom = denom * rescale + tl.sum(weights, axis=1)
-        acc = acc * rescale[:, None]
-        acc = tl.dot(weights.to(COMPUTE_DTYPE), kv_nope, acc, input_precision="ieee")
+        denom = denom * rescale + tl.sum(weights, axis=1) + poison
+        # Weights are <= 1; P_SCALE lifts them off fp8's subnormal floor (undone in out_scale).
+        if PV_FP8:
+            p = _to_fp8(weights * P_SCALE, FP8_DTYPE, V_DTYPE, FP8_EMULATE_MIN_EXP)
+        else:
+            p = weights.to(V_DTYPE)
+        acc = tl.dot(p, kv_nope.to(V_DTYPE), acc * rescale[:, None], input_precision="ieee")
+        if DV_CHUNKS == 2:
+            acc_hi = tl.dot(
+                p, kv_nope_hi.to(V_DTYPE), acc_hi * rescale[:, None], input_precision="ieee"
+            )
         running_max = new_max
 
-    seen = denom > 0
-    safe_denom = tl.where(seen, denom, 1.0)
-    out = tl.where(seen[:, None], acc * (v_scale / safe_denom)[:, None], 0.0)
+    # Only denom == 0 means "no visible key"; a poisoned (NaN) denom makes out and lse NaN.
+    empty = denom == 0
+    safe_denom = tl.where(empty, 1.0, denom)
+    norm = out_scale / safe_denom
     # running_max is in base 2: lse = ln(2) * (max + log2(denom)).
-    lse = tl.where(seen, (running_max + tl.log2(safe_denom)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(empty, float("-inf"), (running_max + tl.log2(safe_denom)) * 0.6931471805599453)
 
     out_rows = (
         out_ptr
@@ -285,7 +405,15 @@ def _mla_decode_stage1(
         + qpos * stride_out_i
         + head * stride_out_h
     )
+    out = tl.where(empty[:, None], 0.0, acc * norm[:, None])
     tl.store(out_rows[:, None] + offs_dv[None, :], out, mask=row_valid[:, None] & dv_mask[None, :])
+    if DV_CHUNKS == 2:
+        out_hi = tl.where(empty[:, None], 0.0, acc_hi * norm[:, None])
+        tl.store(
+            out_rows[:, None] + BLOCK_DV + offs_dv[None, :],
+            out_hi,
+            mask=row_valid[:, None] & dv_mask_hi[None, :],
+        )
     lse_rows = (
         lse_ptr
         + split.to(tl.int64) * stride_lse_split
@@ -299,8 +427,8 @@ def _mla_decode_stage1(
 def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
     """``config`` with BLOCK_H shrunk for problems of fewer rows (S_q x H) than BLOCK_H.
 
-    That cuts padded work (H = 1, S_q = 1), but keeps 16 rows, the smallest M a GPU dot
-    takes; padded rows are masked.
+    That cuts padded work (H = 16 runs a 64-row entry with 16 rows), but keeps 16 rows, the
+    smallest M a GPU dot takes; padded rows are masked.
     """
     return replace(config, block_h=max(16, min(config.block_h, triton.next_power_of_2(rows))))
 
@@ -321,16 +449,18 @@ def plan_launch(
     Pure host arithmetic (no tensor is read): ``rocm_mla.plan_decode`` calls it once per step
     and every layer of the step launches with the answer. ``max_len``/``total_len`` are the
     longest and summed cache lengths of the batch (an upper bound works: only speed changes).
+    The config comes from the tuned table of ``target`` (``default_config``) unless given;
+    the split count fills whole waves of ``num_cus x programs_per_cu`` resident programs.
     """
     target = triton_target() if target is None else target
     if target is None:
         raise RuntimeError("plan_launch: no Triton target on this machine")
-    del kv_dtype  # one table for every KV dtype until per-dtype tuning lands
-    config = _group_config(default_config(target) if config is None else config, q_len * num_heads)
+    if config is None:
+        config = default_config(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype)
+    config = _group_config(config, q_len * num_heads)
     num_groups = triton.cdiv(q_len * num_heads, config.block_h)
-    splits = choose_num_kv_splits(
-        batch, num_groups, total_len / max(batch, 1), max_len, target.num_cus
-    )
+    slots = target.num_cus * programs_per_cu(config, target, kv_dtype=kv_dtype)
+    splits = choose_num_kv_splits(batch, num_groups, total_len / max(batch, 1), max_len, slots)
     return config, splits
 
 
@@ -340,8 +470,9 @@ def plan_num_kv_splits(
     num_heads: int,
     config: LaunchConfig | None = None,
     target: TritonTarget | None = None,
+    kv_dtype: torch.dtype = torch.bfloat16,
 ) -> int:
-    """The split count ``mla_decode`` picks when not forced (``choose_num_kv_splits``).
+    """The split count ``mla_decode`` picks when not forced (``plan_launch``).
 
     Reads the lengths back to the host (one sync). The answer depends only on the lengths
     and the shape, so a caller that decodes many layers per step (or a benchmark) can plan
@@ -354,7 +485,7 @@ def plan_num_kv_splits(
         batch=cache_seqlens.shape[0],
         q_len=q_len,
         num_heads=num_heads,
-        kv_dtype=torch.float32,
+        kv_dtype=kv_dtype,
         max_len=max_len,
         total_len=total_len,
         target=target,
@@ -363,7 +494,53 @@ def plan_num_kv_splits(
     return splits
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float8_e4m3fn: tl.float8e4nv,
+    torch.float8_e4m3fnuz: tl.float8e4b8,
+}
+#: Largest finite value of each fp8 flavour, and the power of two the softmax weights (<= 1)
+#: are multiplied by before fp8 rounding, so that small weights stay above the subnormals.
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
+_P_SCALE = {torch.float8_e4m3fn: 256.0, torch.float8_e4m3fnuz: 128.0}
+
+
+def _has_fp8_dot(target: TritonTarget) -> bool:
+    if target.backend == "hip":
+        return target.arch in ("gfx942", "gfx950")
+    digits = "".join(ch for ch in (target.arch or "")[2:] if ch.isdigit())
+    return target.backend == "cuda" and int(digits or 0) >= 89  # sm89 (Ada) and later
+
+
+def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) -> dict:
+    """The kernel's dtype constexprs: what each dot is fed, and whether Q / P go through fp8.
+
+    The interpreter always computes in fp32 (it multiplies bf16 bit patterns in ``tl.dot``,
+    Triton issue 11584, and has no fp8 dot) but still rounds Q and P to fp8 values when the
+    config asks (``_to_fp8``), so the CPU tests check the GPU's numerics and scale
+    bookkeeping.
+    """
+    fp8 = kv_dtype in _FP8_MAX
+    interpreting = target.backend == "interpreter"
+    qk_fp8 = fp8 and config.fp8_qk and (interpreting or _has_fp8_dot(target))
+    pv_fp8 = fp8 and config.fp8_pv and (interpreting or _has_fp8_dot(target))
+    upcast = torch.float32 if interpreting or q_dtype == torch.float32 else q_dtype
+    fp8_dtype = kv_dtype if fp8 else torch.float8_e4m3fn
+    return {
+        "K_DTYPE": _TL_DTYPES[kv_dtype if qk_fp8 and not interpreting else upcast],
+        "V_DTYPE": _TL_DTYPES[kv_dtype if pv_fp8 and not interpreting else upcast],
+        "QK_FP8": qk_fp8,
+        "PV_FP8": pv_fp8,
+        "FP8_DTYPE": _TL_DTYPES[fp8_dtype],
+        # Smallest normal exponents: e4m3fn 2^-6, e4m3fnuz 2^-7.
+        "FP8_EMULATE_MIN_EXP": (-6.0 if fp8_dtype == torch.float8_e4m3fn else -7.0)
+        if interpreting
+        else None,
+        "FP8_MAX": _FP8_MAX[fp8_dtype],
+        "P_SCALE": _P_SCALE[fp8_dtype] if pv_fp8 else 1.0,
+    }
 
 
 def mla_decode(
@@ -390,13 +567,15 @@ def mla_decode(
         softmax_scale: the score scale (already resolved, e.g. ``D ** -0.5``).
         causal: query ``i`` sees keys ``[0, L - S_q + i]``; else all ``L``.
         kv_scale: per-tensor dequant scale of an fp8 cache, else None.
-        num_kv_splits: force the split count (>= 1); None plans it per call with
-            ``plan_num_kv_splits`` (one host sync to read the lengths).
-        config: stage-1 launch config; None takes ``default_config`` for this target.
+        num_kv_splits: the split count (>= 1), e.g. from ``plan_launch``; None plans it per
+            call with ``plan_num_kv_splits`` (one host sync to read the lengths). Given, the
+            call makes no device-to-host transfer.
+        config: stage-1 launch config (e.g. from ``plan_launch``); None takes the tuned
+            table's entry for this target and shape (host-only).
 
     Returns:
         ``(out [B, S_q, H, Dv] in q's dtype, lse [B, S_q, H] float32)``; rows with no visible
-        key get out 0 and lse -inf.
+        key get out 0 and lse -inf; rows that see a NaN/infinite score get out and lse NaN.
     """
     batch, q_len, num_heads, head_dim = q.shape
     rope_dim = head_dim - head_dim_v
@@ -410,11 +589,15 @@ def mla_decode(
             "mla_decode (Triton): no Triton target on this machine; set TRITON_INTERPRET=1 "
             "to run the interpreter on CPU"
         )
-    config = _group_config(default_config(target) if config is None else config, q_len * num_heads)
+    if config is None:
+        config = default_config(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_cache.dtype)
+    config = _group_config(config, q_len * num_heads)
     rows = q_len * num_heads
     num_groups = triton.cdiv(rows, config.block_h)
     if num_kv_splits is None:
-        num_kv_splits = plan_num_kv_splits(cache_seqlens, q_len, num_heads, config, target)
+        num_kv_splits = plan_num_kv_splits(
+            cache_seqlens, q_len, num_heads, config, target, kv_dtype=kv_cache.dtype
+        )
     elif isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int) or num_kv_splits < 1:
         raise ValueError(
             f"mla_decode: num_kv_splits must be an int >= 1 or None, got {num_kv_splits!r}"
@@ -438,11 +621,11 @@ def mla_decode(
             num_kv_splits, batch, q_len, num_heads, dtype=torch.float32, device=q.device
         )
 
-    interpreting = target.backend == "interpreter"
-    # The interpreter multiplies bf16 bit patterns in tl.dot (Triton issue 11584), so it gets
-    # fp32 tiles; GPUs keep 16-bit dot inputs and accumulate in fp32.
-    compute = torch.float32 if interpreting or q.dtype == torch.float32 else q.dtype
+    dot_types = _dot_types(q.dtype, kv_cache.dtype, target, config)
     dequant = 1.0 if kv_scale is None else float(kv_scale)
+    padded_dv = max(16, triton.next_power_of_2(head_dim_v))
+    # Two V halves only when each half is still a whole dot tile.
+    dv_chunks = config.dv_chunks if padded_dv >= 32 else 1
     grid = (batch * num_groups * num_kv_splits,)
     _mla_decode_stage1[grid](
         q,
@@ -452,7 +635,7 @@ def mla_decode(
         part_out,
         part_lse,
         softmax_scale * dequant * math.log2(math.e),
-        dequant,
+        dequant / dot_types["P_SCALE"],
         num_groups,
         num_kv_splits,
         q.stride(0),
@@ -477,10 +660,11 @@ def mla_decode(
         CAUSAL=bool(causal),
         BLOCK_H=config.block_h,
         BLOCK_N=config.block_n,
-        BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        BLOCK_DV=padded_dv // dv_chunks,
+        DV_CHUNKS=dv_chunks,
         BLOCK_DR=max(16, triton.next_power_of_2(rope_dim)),
-        COMPUTE_DTYPE=_TL_DTYPES[compute],
         NUM_XCDS=config.num_xcds,
+        **dot_types,
         **config.launch_options(target),
     )
     if num_kv_splits > 1:

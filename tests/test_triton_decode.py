@@ -201,7 +201,11 @@ def test_planned_splits_follow_the_target():
     lens = torch.tensor([32768], dtype=torch.int32, device=DEVICE)
     splits = kernel.plan_num_kv_splits(lens, 1, 16)
     target = triton_target()
-    assert splits == kernel.choose_num_kv_splits(1, 1, 32768.0, 32768, target.num_cus)
+    config = kernel.default_config(target, num_heads=16)
+    slots = target.num_cus * kernel.programs_per_cu(
+        kernel._group_config(config, 16), target, kv_dtype=torch.bfloat16
+    )
+    assert splits == kernel.choose_num_kv_splits(1, 1, 32768.0, 32768, slots)
     if target.backend == "interpreter":
         assert splits == 1  # programs run one at a time: splitting is pure overhead
 
@@ -255,13 +259,17 @@ def test_num_kv_splits_is_validated_and_cp_is_normalized():
 # ---- ahead-of-time compilation for real GPUs, on any machine ---------------------------------
 
 # Runs in a fresh interpreter without TRITON_INTERPRET, so that @triton.jit builds real
-# kernels; triton.compile needs a GPUTarget, not a GPU. Prints one JSON line per kernel.
+# kernels; triton.compile needs a GPUTarget, not a GPU. For every distinct stage-1 config the
+# target's tuned table can hand out (each head/S_q bucket and KV kind, BLOCK_H shrunk as
+# plan_launch shrinks it), with the constexprs mla_decode would pass, and for the merge,
+# prints one JSON line per kernel.
 _AOT_SCRIPT = r"""
 import json, re, sys
+import torch
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rocm_mla.kernels import mla_decode as md, merge_states as ms
+from rocm_mla.kernels import mla_decode as md, merge_states as ms, tuned_configs as tc
 
 def build(fn, pointers, consts, target, options):
     sig = {}
@@ -271,26 +279,46 @@ def build(fn, pointers, consts, target, options):
         elif name in pointers:
             sig[name] = pointers[name]
         else:
-            sig[name] = "fp32" if name in ("qk_scale", "v_scale") else "i32"
+            sig[name] = "fp32" if name in ("qk_scale", "out_scale") else "i32"
     kernel = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
     text = kernel.asm.get("amdgcn", "")
     spill = re.search(r"\.vgpr_spill_count:\s+(\d+)", text)
     return {"shared": kernel.metadata.shared, "vgpr_spill": int(spill.group(1)) if spill else 0}
 
-backend, arch, kv = sys.argv[1], sys.argv[2], sys.argv[3]
+backend, arch = sys.argv[1], sys.argv[2]
 if backend == "hip":
     target = GPUTarget("hip", arch, 64)
+    fp8 = torch.float8_e4m3fnuz if arch == "gfx942" else torch.float8_e4m3fn
 else:
     target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)
+    fp8 = torch.float8_e4m3fn
 here = md.TritonTarget(backend, arch, 1)
-config = md.default_config(here)
-consts = dict(Q_LEN=1, NUM_HEADS=16, HEAD_DIM_V=512, ROPE_DIM=64, PAGE_SIZE=64, CAUSAL=True,
-              BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_DV=512, BLOCK_DR=64,
-              COMPUTE_DTYPE=tl.bfloat16, NUM_XCDS=config.num_xcds)
-pointers = {"q_ptr": "*bf16", "kv_ptr": "*" + kv, "block_table_ptr": "*i32", "seqlens_ptr": "*i32",
-            "out_ptr": "*fp32", "lse_ptr": "*fp32"}
-stage1 = build(md._mla_decode_stage1, pointers, consts, target, config.launch_options(here))
-print(json.dumps({"kernel": "stage1", **stage1}))
+kv_dtypes = {"16bit": torch.bfloat16, "fp8": fp8, "fp32": torch.float32}
+kernels, used = {}, []
+for heads in tc.HEAD_BUCKETS:
+    for q_len in tc.Q_LEN_BUCKETS:
+        for kind, kv_dtype in kv_dtypes.items():
+            entry = md.table_entry(here, num_heads=heads, q_len=q_len, kv_dtype=kv_dtype)
+            used.append(entry)
+            config = md._group_config(entry.config, heads * q_len)
+            q_dtype = torch.float32 if kv_dtype == torch.float32 else torch.bfloat16
+            kernels.setdefault((config, kv_dtype, q_dtype), []).append((heads, q_len, kind))
+tl_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
+           torch.float8_e4m3fnuz: "fp8e4b8"}
+for (config, kv_dtype, q_dtype), shapes in kernels.items():
+    consts = dict(Q_LEN=1, NUM_HEADS=128, HEAD_DIM_V=512, ROPE_DIM=64, PAGE_SIZE=64,
+                  CAUSAL=True, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+                  BLOCK_DV=512 // config.dv_chunks, DV_CHUNKS=config.dv_chunks, BLOCK_DR=64,
+                  NUM_XCDS=config.num_xcds, **md._dot_types(q_dtype, kv_dtype, here, config))
+    pointers = {"q_ptr": "*" + tl_name[q_dtype], "kv_ptr": "*" + tl_name[kv_dtype],
+                "block_table_ptr": "*i32", "seqlens_ptr": "*i32", "out_ptr": "*fp32",
+                "lse_ptr": "*fp32"}
+    stage1 = build(md._mla_decode_stage1, pointers, consts, target, config.launch_options(here))
+    print(json.dumps({"kernel": "stage1", "config": config.to_dict(), "kv": str(kv_dtype),
+                      "shapes": shapes, **stage1}))
+table = tc.TABLES[md.target_key(here)]
+unused = [str(k) for k, e in table.items() if not any(e is u for u in used)]
+print(json.dumps({"kernel": "coverage", "unused_entries": unused}))
 consts = dict(HEAD_DIM_V=512, BLOCK_P=4, BLOCK_R=1, BLOCK_D=256)
 pointers = {"outs_ptr": "*fp32", "lses_ptr": "*fp32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
 merge = build(ms._merge_states_kernel, pointers, consts, target, ms.merge_launch_options(here))
@@ -303,12 +331,12 @@ _SHARED_LIMIT = {"gfx942": 64 << 10, "gfx950": 160 << 10, "sm90": 227 << 10}
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("backend", "arch", "kv"),
-    [("hip", "gfx942", "fp8e4b8"), ("hip", "gfx950", "bf16"), ("cuda", "sm90", "bf16")],
+    ("backend", "arch"), [("hip", "gfx942"), ("hip", "gfx950"), ("cuda", "sm90")]
 )
-def test_default_configs_compile_for_gpus_without_spilling(backend, arch, kv):
-    """Stage 1 and the merge compile for MI300X / MI355X / H100 with the default launch
-    options (HIP knobs included), fit the LDS/shared memory, and spill no VGPRs on AMD."""
+def test_default_configs_compile_for_gpus_without_spilling(backend, arch):
+    """Every stage-1 config of the target's tuned table (and the merge) compiles for MI300X /
+    MI355X / H100 with its launch options (HIP knobs included), fits the LDS/shared memory,
+    and spills no VGPRs on AMD."""
     import json
     import os
     import subprocess
@@ -320,15 +348,20 @@ def test_default_configs_compile_for_gpus_without_spilling(backend, arch, kv):
         pytest.skip(f"this Triton build has no {backend} backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, backend, arch, kv],
+        [sys.executable, "-c", _AOT_SCRIPT, backend, arch],
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [k["kernel"] for k in kernels] == ["stage1", "merge"]
+    assert [k["kernel"] for k in kernels][-2:] == ["coverage", "merge"]
+    coverage = kernels.pop(-2)
+    assert coverage["unused_entries"] == [], "table entries no lookup reaches"
+    # Each KV kind of the table got at least one compiled stage-1 kernel.
+    kinds = {shape[2] for k in kernels[:-1] for shape in k["shapes"]}
+    assert kinds == {"16bit", "fp8", "fp32"}
     for k in kernels:
         assert k["shared"] <= _SHARED_LIMIT[arch], k
         assert k["vgpr_spill"] == 0, k
@@ -349,13 +382,19 @@ def test_gpu_production_shapes(dtype, heads, q_len):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_cache():
+@pytest.mark.parametrize(("heads", "q_len"), [(16, 1), (16, 2), (128, 1)])
+def test_gpu_fp8_cache(heads, q_len):
+    """The tuned fp8 path (fp8 dots where the GPU has them) with its rounding modelled."""
+    from tests.test_triton_tuning import assert_fp8_dot_result
+
     fp8 = next(d for d in TritonMLAImpl.capabilities.kv_dtypes if d.itemsize == 1)
-    q, kv, bt, lens = problem([2048, 5, 300], heads=16, q_len=2, block=1, dtype=torch.bfloat16)
+    q, kv, bt, lens = problem(
+        [2048, 5, 300], heads=heads, q_len=q_len, block=64, dtype=torch.bfloat16
+    )
     kv8 = (kv.float() / 0.5).to(fp8)
+    config = kernel.default_config(triton_target(), num_heads=heads, q_len=q_len, kv_dtype=fp8)
     out, lse = rocm_mla.mla_decode(q, kv8, bt, lens, kv_scale=0.5, backend="triton")
-    ref_out, ref_lse = rocm_mla.mla_decode(q, kv8, bt, lens, kv_scale=0.5, backend="torch")
-    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])
+    assert_fp8_dot_result(out, lse, q, kv8, bt, lens, 0.5, config, tol=TOL[torch.bfloat16])
 
 
 @pytest.mark.rocm

@@ -25,6 +25,7 @@ def random_partials(num_parts, rows, head_dim_v, *, dtype=torch.float32, seed=0)
 
     Row 0: one -inf partial whose out is NaN. Row 1: every partial -inf (all empty) and NaN
     outs. Row 2: a NaN lse. Row 3: a +inf lse. Row 4: lses far apart (weights underflow).
+    Row 5: a NaN in the last column of a partial with weight > 0.
     """
     gen = torch.Generator().manual_seed(seed)
     outs = torch.randn(num_parts, *rows, head_dim_v, generator=gen)
@@ -36,14 +37,44 @@ def random_partials(num_parts, rows, head_dim_v, *, dtype=torch.float32, seed=0)
         flat_lses[1, 2] = math.nan
         flat_lses[num_parts - 1, 3] = math.inf
         flat_lses[0, 4] = 200.0
+        flat_outs[1, 5, -1] = math.nan
     return outs.to(dtype).to(DEVICE), lses.to(DEVICE)
 
 
+def merge_as_defined(outs, lses):
+    """The merge as the contract states it, in float64, written apart from every backend.
+
+    Partials with lse -inf are skipped (their out may be NaN); a NaN or +inf lse, or a NaN
+    out of a partial with weight > 0, makes the row NaN; an all-empty row is out 0, lse -inf.
+    """
+    outs, lses = outs.cpu().double(), lses.cpu().double()
+    broken = (torch.isnan(lses) | (lses == math.inf)).any(dim=0)
+    usable = torch.where(torch.isnan(lses) | (lses == math.inf), -math.inf, lses)
+    top = usable.amax(dim=0)
+    ref = torch.where(top == -math.inf, 0.0, top)
+    weights = torch.exp(usable - ref)
+    total = weights.sum(dim=0)
+    acc = (torch.where(weights[..., None] > 0, outs, 0.0) * weights[..., None]).sum(dim=0)
+    seen = total > 0
+    out = torch.where(seen[..., None], acc / torch.where(seen, total, 1.0)[..., None], 0.0)
+    lse = torch.where(seen, ref + torch.log(torch.where(seen, total, 1.0)), -math.inf)
+    poisoned = broken | torch.isnan(acc).any(dim=-1)
+    out[poisoned] = math.nan
+    lse[poisoned] = math.nan
+    return out, lse
+
+
 def assert_same_merge(outs, lses, tol):
+    """The kernel against ``merge_as_defined``; rows without NaN also against torch's merge."""
     out, lse = merge_states(outs, lses)
-    ref_out, ref_lse = torch_merge_states(outs.cpu(), lses.cpu())
     out, lse = out.cpu(), lse.cpu()
-    assert_same_attention(out, lse, ref_out, ref_lse, tol)
+    want_out, want_lse = merge_as_defined(outs, lses)
+    assert out.dtype == outs.dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol, equal_nan=True)
+    torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol, equal_nan=True)
+    clean = ~torch.isnan(want_lse)
+    ref_out, ref_lse = torch_merge_states(outs.cpu(), lses.cpu())
+    assert_same_attention(out[clean], lse[clean], ref_out[clean], ref_lse[clean], tol)
     return out, lse
 
 
@@ -51,7 +82,7 @@ def assert_same_merge(outs, lses, tol):
     ("num_parts", "rows", "head_dim_v", "dtype"),
     [
         (2, (3, 4), 512, torch.float32),
-        (7, (5,), 40, torch.float32),
+        (7, (5, 2), 40, torch.float32),
         (32, (2, 3, 2), 512, torch.float32),  # more partials than one chunk of 16
         (1, (6,), 16, torch.float32),
         (3, (2, 4), 100, torch.float16),
@@ -60,11 +91,28 @@ def assert_same_merge(outs, lses, tol):
 def test_triton_merge_matches_torch(num_parts, rows, head_dim_v, dtype):
     outs, lses = random_partials(num_parts, rows, head_dim_v, dtype=dtype, seed=num_parts)
     tol = 1e-6 if dtype == torch.float32 else 1e-3
-    _, lse = assert_same_merge(outs, lses, tol)
-    flat_lse = lse.view(-1)
-    assert flat_lse[1] == -math.inf  # the all-empty row
+    out, lse = assert_same_merge(outs, lses, tol)
+    flat_out, flat_lse = out.view(-1, head_dim_v), lse.view(-1)
+    assert flat_lse[1] == -math.inf and (flat_out[1] == 0).all()  # the all-empty row
     if num_parts > 1:
-        assert math.isfinite(flat_lse[2]) and math.isfinite(flat_lse[3])
+        assert torch.isfinite(flat_lse[0]) and torch.isfinite(flat_out[0]).all()  # -inf, NaN out
+        for row in (2, 3, 5):  # NaN lse, +inf lse, NaN out with weight > 0
+            assert torch.isnan(flat_lse[row]) and torch.isnan(flat_out[row]).all()
+
+
+def test_nan_out_in_the_second_dv_chunk_poisons_the_whole_row():
+    """A NaN in column 300 of a weighted partial: on a GPU (256-wide Dv chunks) it is in the
+    second chunk, after the first chunk's columns were stored; the whole row still ends NaN."""
+    outs = torch.randn(3, 4, 512)
+    lses = torch.randn(3, 4)
+    outs[2, 1, 300] = math.nan
+    lses[0, 2] = -math.inf
+    outs[0, 2, 7] = math.nan  # weight 0: must not matter
+    out, lse = merge_states(outs.to(DEVICE), lses.to(DEVICE))
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1])
+    clean = torch.tensor([True, False, True, True])
+    assert torch.isfinite(out[clean]).all() and torch.isfinite(lse[clean]).all()
 
 
 @pytest.mark.parametrize(
@@ -83,9 +131,9 @@ def test_gpu_tile_shapes(target):
     out = torch.empty(6, 512, device=DEVICE)
     lse = torch.empty(6, device=DEVICE)
     launch_merge(outs, lses, out, lse, target)
-    ref_out, ref_lse = torch_merge_states(outs.cpu(), lses.cpu())
-    torch.testing.assert_close(out.cpu(), ref_out, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-6, rtol=1e-6)
+    want_out, want_lse = merge_as_defined(outs, lses)
+    torch.testing.assert_close(out.cpu().double(), want_out, atol=1e-6, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, atol=1e-6, rtol=1e-6, equal_nan=True)
 
 
 def test_merge_of_split_attention_equals_whole_attention():
@@ -109,8 +157,14 @@ def test_zero_partials_give_empty_rows_and_bad_shapes_raise():
 
 
 def test_public_merge_states_uses_the_device_path():
-    """rocm_mla.merge_states keeps torch on CPU and runs this kernel on a GPU; same answer."""
+    """rocm_mla.merge_states keeps torch on CPU and runs this kernel on a GPU; same answer.
+
+    The partials have empty entries but no NaN/+inf lse: torch's merge is being moved to the
+    NaN-propagating contract separately, and rows with broken partials are checked above.
+    """
     outs, lses = random_partials(4, (3, 5), 64, seed=7)
+    lses = torch.where(torch.isnan(lses) | (lses == math.inf), -math.inf, lses)
+    outs.view(4, -1, 64)[1, 5, -1] = 0.0
     out, lse = rocm_mla.merge_states(outs, lses)
     ref_out, ref_lse = merge_states(outs, lses)
     torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)

@@ -1,0 +1,260 @@
+"""Offline autotune of the Triton MLA decode's stage-1 launch configs, on the GPU at hand.
+
+For each (head bucket, S_q bucket, KV kind) of ``kernels/tuned_configs.py`` it times one
+representative decode (``--batch`` requests of ``--context`` keys, block 64, shuffled block
+table) with every config of a sweep, each on its planned path (split count from
+``plan_launch`` for that config, outside the timed region), and keeps the fastest. Configs
+that fail to compile or run (out of shared memory, registers) are recorded and skipped;
+every config is first checked against the torch backend on a small problem, so a fast
+wrong config can never win.
+
+Writes a JSON table that ``tuned_configs.load_table_file`` reads (set
+``ROCM_MLA_TRITON_CONFIGS=<file>`` to use it, or paste its entries into ``TABLES``), with
+every timing kept for the record. Run on a GPU:
+
+    python -m benchmarks.autotune_triton [--heads 16 128] [--q-lens 1 2] [--kv bf16 fp8]
+        [--batch 64] [--context 8192] [--quick] [--out FILE]
+
+The stored ``config`` is the table entry as swept (64 rows); the buckets' smaller row
+counts shrink it at launch as ``plan_launch`` does.
+
+Timing: ``triton.testing.do_bench`` (median of a fixed time budget, L2 flushed between
+runs). Compiles dominate: the defaults (8 buckets, up to 33 configs each) should take tens
+of minutes on one H200 (not yet run); ``--quick`` (64 rows, 8 warps) a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks import common
+
+HEAD_DIM, HEAD_DIM_V, BLOCK_SIZE = 576, 512, 64
+
+
+def sweep(target, kv_kind: str, quick: bool) -> list:
+    """Candidate configs for a target and KV kind (hip knobs only on hip).
+
+    The space is kept to what can matter on each target (every config is a compile of a
+    minute or less): AMD keeps 16/32-key tiles (64 KB of LDS on MI300X) and 1-2 stages;
+    NVIDIA sweeps 32/64-key tiles and 2-3 stages. fp8 sweeps fp8 ``Q K^T`` with and
+    without fp8 ``P V``. ``quick``: 64 rows and 8 warps only.
+    """
+    from rocm_mla.kernels.tuned_configs import LaunchConfig
+
+    if target.backend == "hip":
+        space = {"block_n": (16, 32), "num_stages": (1, 2)}
+        extra = {
+            "waves_per_eu": 1,
+            "matrix_instr_nonkdim": 16,
+            "num_xcds": 8 if target.arch in ("gfx942", "gfx950") else 1,
+            "kpack": 2 if target.arch == "gfx942" else None,
+        }
+    else:
+        space = {"block_n": (32, 64), "num_stages": (2, 3)}
+        extra = {}
+    fp8 = kv_kind == "fp8"
+    rows = (64,) if quick else (32, 64)
+    warps = (8,) if quick else (4, 8)
+    chunks = (1,) if fp8 else (1, 2)
+    modes = ((True, True), (True, False)) if fp8 else ((False, False),)
+    configs = []
+    for block_h, block_n, num_warps, num_stages, dv_chunks, (fp8_qk, fp8_pv) in itertools.product(
+        rows, space["block_n"], warps, space["num_stages"], chunks, modes
+    ):
+        configs.append(
+            LaunchConfig(
+                block_h=block_h,
+                block_n=block_n,
+                num_warps=num_warps,
+                num_stages=num_stages,
+                dv_chunks=dv_chunks,
+                fp8_qk=fp8_qk,
+                fp8_pv=fp8_pv,
+                **extra,
+            )
+        )
+    return configs
+
+
+def make_problem(batch, context, heads, q_len, kv_kind, device, seed=0):
+    from benchmarks.kernel_roofline import build_cache
+    from rocm_mla.inputs import prepare_decode
+
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    kv, table, scale = build_cache(lens, kv_kind, BLOCK_SIZE, device, seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(
+        batch, q_len, heads, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=gen
+    )
+    return prepare_decode(
+        q,
+        kv,
+        table,
+        lens.to(device),
+        head_dim_v=HEAD_DIM_V,
+        softmax_scale=None,
+        causal=True,
+        kv_scale=scale,
+    )
+
+
+def decode_call(problem, config, splits):
+    from rocm_mla.kernels import mla_decode as kernel
+
+    def call():
+        return kernel.mla_decode(
+            problem.q,
+            problem.kv_cache,
+            problem.block_table,
+            problem.cache_seqlens,
+            head_dim_v=HEAD_DIM_V,
+            softmax_scale=problem.softmax_scale,
+            kv_scale=problem.kv_scale,
+            num_kv_splits=splits,
+            config=config,
+        )
+
+    return call
+
+
+def is_correct(config, check, reference) -> str | None:
+    """None when ``config`` reproduces the torch backend on the small check problem."""
+    out, lse = decode_call(check, config, 3)()
+    ref_out, ref_lse = reference
+    # fp8 dots round Q and P to fp8: a few percent, as the fp8 tests model it.
+    tol = 0.15 if (config.fp8_qk or config.fp8_pv) and check.kv_scale is not None else 3e-2
+    if not torch.isfinite(out).all():
+        return "non-finite output"
+    err = (out.float() - ref_out.float()).abs().max().item()
+    lse_err = (lse - ref_lse).abs().max().item()
+    if err > tol or lse_err > tol:
+        return f"wrong result: max |out error| {err:.3g}, |lse error| {lse_err:.3g} > {tol}"
+    return None
+
+
+def tune_bucket(target, heads, q_len, kv_kind, args) -> dict:
+    import triton
+
+    from rocm_mla.backends.torch_ref import torch_mla_decode
+    from rocm_mla.kernels import mla_decode as kernel
+
+    device = "cuda"
+    problem = make_problem(args.batch, args.context, heads, q_len, kv_kind, device)
+    check = make_problem(3, 700, heads, q_len, kv_kind, device, seed=1)
+    reference = torch_mla_decode(check)
+    current = kernel.default_config(
+        target, num_heads=heads, q_len=q_len, kv_dtype=problem.kv_cache.dtype
+    )
+    candidates = [current] + [c for c in sweep(target, kv_kind, args.quick) if c != current]
+    timings, best, tried = [], None, set()
+    for i, config in enumerate(candidates):
+        common.progress(i, len(candidates), f"H{heads} S_q{q_len} {kv_kind} {config}")
+        planned, splits = kernel.plan_launch(
+            batch=args.batch,
+            q_len=q_len,
+            num_heads=heads,
+            kv_dtype=problem.kv_cache.dtype,
+            max_len=args.context,
+            total_len=args.batch * args.context,
+            target=target,
+            config=config,
+        )
+        if planned in tried:  # BLOCK_H shrunk to the rows: the same kernel as before
+            continue
+        tried.add(planned)
+        record = {"config": config.to_dict(), "num_kv_splits": splits}
+        try:
+            wrong = is_correct(planned, check, reference)
+            if wrong is None:
+                ms = triton.testing.do_bench(
+                    decode_call(problem, planned, splits), rep=args.rep_ms, return_mode="median"
+                )
+        except Exception as exc:  # a config past the shared memory or register budget
+            record["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            timings.append(record)
+            continue
+        if wrong is not None:
+            record["failed"] = wrong
+            timings.append(record)
+            continue
+        record["time_us"] = ms * 1e3
+        timings.append(record)
+        if best is None or record["time_us"] < best["time_us"]:
+            best = record
+    if best is None:
+        raise SystemExit(f"autotune: no config ran for H{heads} S_q{q_len} {kv_kind}")
+    baseline = timings[0].get("time_us")
+    return {"best": best, "baseline_us": baseline, "timings": timings}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.autotune_triton", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--q-lens", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--kv", nargs="+", choices=("bf16", "fp8"), default=["bf16", "fp8"])
+    parser.add_argument("--batch", type=int, default=64, help="requests per timed decode")
+    parser.add_argument("--context", type=int, default=8192, help="keys per request")
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per config")
+    parser.add_argument("--quick", action="store_true", help="a small sweep around 64 rows")
+    parser.add_argument("--out", type=Path, help="output JSON (default: benchmarks/results/...)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("autotune needs a GPU (torch sees none)")
+
+    from rocm_mla.kernels import mla_decode as kernel
+    from rocm_mla.kernels import tuned_configs as tables
+
+    target = kernel.triton_target()
+    key = kernel.target_key(target)
+    device = common.device_name()
+    entries, report = [], []
+    for heads, q_len, kv_kind in itertools.product(args.heads, args.q_lens, args.kv):
+        result = tune_bucket(target, heads, q_len, kv_kind, args)
+        best = result["best"]
+        speedup = (result["baseline_us"] or float("nan")) / best["time_us"]
+        source = (
+            f"measured: autotune on {device}, {datetime.date.today().isoformat()}, "
+            f"B{args.batch} ctx{args.context}, {best['time_us']:.1f} us "
+            f"({speedup:.2f}x the previous entry)"
+        )
+        entries.append(
+            {
+                "heads": tables.head_bucket(heads),
+                "q_len": tables.q_len_bucket(q_len),
+                "kv": "fp8" if kv_kind == "fp8" else "16bit",
+                "config": best["config"],
+                "source": source,
+            }
+        )
+        report.append({"heads": heads, "q_len": q_len, "kv": kv_kind, **result})
+        print(f"H{heads} S_q{q_len} {kv_kind}: {source}", file=sys.stderr)
+    payload = {
+        "target": key,
+        "device": device,
+        "environment": common.environment(),
+        "entries": entries,
+        "sweeps": report,
+    }
+    out = args.out or (
+        common.RESULTS_DIR / f"triton-tuned-{key}-{common.device_slug()}-"
+        f"{datetime.date.today().isoformat()}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    tables.load_table_file(out)  # the file must load as a table
+    print(f"wrote {out}; use it with ROCM_MLA_TRITON_CONFIGS={out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""Stage-1 launch configs of the Triton MLA decode, per target, as data.
+
+A table maps (target, head-count bucket, S_q bucket, KV kind) to a ``LaunchConfig`` and says
+where the entry comes from: ``measured`` names the run that chose it, ``unmeasured`` marks a
+guess from hardware limits that only compiles cleanly (``tests/test_triton_decode.py``
+compiles every AMD entry for gfx942/gfx950 and checks VGPR spills and LDS).
+
+Lookup goes from the most specific key to the least: an exact (heads, S_q, kv) entry, then
+the same with S_q as ``"*"``, then with heads as ``"*"`` too, then ``("*", "*", "*")``.
+``benchmarks/autotune_triton.py`` writes JSON files in the format ``load_table_file`` reads;
+``ROCM_MLA_TRITON_CONFIGS`` names such a file to override the built-in entries at import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+#: Head-count buckets: a bucket is the largest H it holds.
+HEAD_BUCKETS = (16, 64, 128)
+#: S_q buckets: 1 (plain decode), 2 (one speculative token), 4 (longer verify windows).
+Q_LEN_BUCKETS = (1, 2, 4)
+#: KV kinds that change the tile's bytes, hence what fits in shared memory.
+KV_KINDS = ("fp32", "16bit", "fp8")
+TARGET_KEYS = ("sm90", "gfx942", "gfx950", "fallback", "interpreter")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Block shapes and launch options of stage 1 (stage 2 has its own, see merge_states).
+
+    ``waves_per_eu``, ``matrix_instr_nonkdim`` and ``kpack`` are AMD compiler options: they are
+    passed to the launch only when the target is hip (``None`` leaves them out). ``fp8_qk``
+    and ``fp8_pv`` only matter for an fp8 cache on a target with fp8 dots (see
+    ``mla_decode``): Q is then quantized per row and ``Q K^T`` runs in fp8, and/or the
+    softmax weights are quantized and ``P V`` runs in fp8.
+    """
+
+    block_h: int  #: query rows (S_q x heads) per program; the dots' M dimension
+    block_n: int  #: keys per tile
+    num_warps: int
+    num_stages: int
+    dv_chunks: int = 1  #: the V columns (and the accumulator) as 1 or 2 separate dots
+    num_xcds: int = 1  #: > 1 remaps program ids so one request's programs share an XCD
+    fp8_qk: bool = False
+    fp8_pv: bool = False
+    waves_per_eu: int | None = None
+    matrix_instr_nonkdim: int | None = None
+    kpack: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_h", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"LaunchConfig: {name} must be a power of two >= 16, got {value}")
+        if self.dv_chunks not in (1, 2):
+            raise ValueError(f"LaunchConfig: dv_chunks must be 1 or 2, got {self.dv_chunks}")
+        if self.num_warps < 1 or self.num_stages < 1 or self.num_xcds < 1:
+            raise ValueError(f"LaunchConfig: num_warps, num_stages, num_xcds must be >= 1: {self}")
+
+    def launch_options(self, target) -> dict:
+        """Keyword options of the Triton launch for ``target`` (a ``TritonTarget`` or None)."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if target is not None and target.backend == "hip":
+            for key in ("waves_per_eu", "matrix_instr_nonkdim", "kpack"):
+                value = getattr(self, key)
+                if value is not None:
+                    options[key] = value
+        return options
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LaunchConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"LaunchConfig: unknown fields {sorted(unknown)} in {data}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    config: LaunchConfig
+    source: str  #: "measured: <device, run>" or "unmeasured: <why this guess>"
+
+
+Key = tuple[str, str, str]  # (heads bucket or "*", S_q bucket or "*", kv kind or "*")
+
+_AMD_KNOBS = {"waves_per_eu": 1, "matrix_instr_nonkdim": 16}
+
+_SWEEP_H200 = (
+    "measured: issue 17 launch sweep on one H200 (bf16 KV, S_q 1, H 16 and 128, block 64): "
+    "best everywhere; H16 runs it with 16 rows"
+)
+
+TABLES: dict[str, dict[Key, TableEntry]] = {
+    # Hopper: 228 KB of shared memory per SM and wgmma wants M = 64. 8 warps split the
+    # [64, 512] fp32 accumulator over two warpgroups (128 registers a thread).
+    "sm90": {
+        ("*", "*", "16bit"): TableEntry(
+            LaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=3), _SWEEP_H200
+        ),
+        ("*", "*", "fp8"): TableEntry(
+            LaunchConfig(
+                block_h=64, block_n=64, num_warps=8, num_stages=3, fp8_qk=True, fp8_pv=True
+            ),
+            "unmeasured: the bf16 winner with fp8 dots (half the tile bytes, no upcast)",
+        ),
+        # fp32 tiles are twice the bytes: three 64-key stages would not fit.
+        ("*", "*", "fp32"): TableEntry(
+            LaunchConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+            "unmeasured: the pre-tuning CUDA default (fp32 is a test dtype)",
+        ),
+    },
+    # MI300X: 64 KB of LDS per CU, so 16-key tiles and no software pipelining; one wave
+    # per SIMD leaves the registers to the accumulator; 16x16 MFMA with kpack 2; 8 XCDs.
+    "gfx942": {
+        ("*", "*", "*"): TableEntry(
+            LaunchConfig(
+                block_h=16, block_n=16, num_warps=4, num_stages=1, num_xcds=8, kpack=2, **_AMD_KNOBS
+            ),
+            "unmeasured: sglang/vLLM's MI3xx shape; compiles without spills",
+        ),
+        ("128", "*", "16bit"): TableEntry(
+            LaunchConfig(
+                block_h=32,
+                block_n=16,
+                num_warps=8,
+                num_stages=1,
+                dv_chunks=2,
+                num_xcds=8,
+                kpack=2,
+                **_AMD_KNOBS,
+            ),
+            "unmeasured: 32 rows halve the KV re-reads at H128; 8 waves and two V halves keep "
+            "the [32, 512] accumulator in VGPRs",
+        ),
+        ("*", "*", "fp8"): TableEntry(
+            LaunchConfig(
+                block_h=16,
+                block_n=32,
+                num_warps=4,
+                num_stages=1,
+                num_xcds=8,
+                fp8_qk=True,
+                fp8_pv=True,
+                kpack=2,
+                **_AMD_KNOBS,
+            ),
+            "unmeasured: fp8 tiles are half the bytes, so 32 keys fit the LDS",
+        ),
+    },
+    # MI355X: 160 KB of LDS allows double buffering; 8 warps split the accumulator (32-key
+    # tiles with 8 warps spill in Triton 3.9); kpack is deprecated there (forced to 1).
+    "gfx950": {
+        ("*", "*", "*"): TableEntry(
+            LaunchConfig(
+                block_h=16, block_n=16, num_warps=8, num_stages=2, num_xcds=8, **_AMD_KNOBS
+            ),
+            "unmeasured: compiles without spills",
+        ),
+        ("128", "*", "16bit"): TableEntry(
+            LaunchConfig(
+                block_h=32,
+                block_n=16,
+                num_warps=8,
+                num_stages=2,
+                dv_chunks=2,
+                num_xcds=8,
+                **_AMD_KNOBS,
+            ),
+            "unmeasured: 32 rows halve the KV re-reads at H128; compiles without spills",
+        ),
+        ("*", "*", "fp8"): TableEntry(
+            LaunchConfig(
+                block_h=16,
+                block_n=32,
+                num_warps=4,
+                num_stages=2,
+                num_xcds=8,
+                fp8_qk=True,
+                fp8_pv=True,
+                **_AMD_KNOBS,
+            ),
+            "unmeasured: fp8 tiles are half the bytes, so 32 keys fit",
+        ),
+        # fp32 tiles spill 100-130 VGPRs with 8 warps (Triton 3.9), with or without stages.
+        ("*", "*", "fp32"): TableEntry(
+            LaunchConfig(
+                block_h=16, block_n=16, num_warps=4, num_stages=1, num_xcds=8, **_AMD_KNOBS
+            ),
+            "unmeasured: fp32 is a test dtype; compiles without spills",
+        ),
+    },
+    # Any other GPU: the pre-tuning CUDA default (other hip archs take gfx942's entries).
+    "fallback": {
+        ("*", "*", "*"): TableEntry(
+            LaunchConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+            "unmeasured: the pre-tuning CUDA default",
+        ),
+    },
+    # The CPU interpreter pays per program and per loop trip, not per register: big tiles.
+    "interpreter": {
+        ("*", "*", "*"): TableEntry(
+            LaunchConfig(block_h=64, block_n=64, num_warps=4, num_stages=1),
+            "interpreter: fewest programs and loop trips",
+        ),
+    },
+}
+
+
+def head_bucket(num_heads: int) -> str:
+    for bucket in HEAD_BUCKETS:
+        if num_heads <= bucket:
+            return str(bucket)
+    return str(HEAD_BUCKETS[-1])
+
+
+def q_len_bucket(q_len: int) -> str:
+    for bucket in Q_LEN_BUCKETS:
+        if q_len <= bucket:
+            return str(bucket)
+    return str(Q_LEN_BUCKETS[-1])
+
+
+def kv_kind(kv_dtype: torch.dtype) -> str:
+    if kv_dtype.itemsize == 1:
+        return "fp8"
+    return "fp32" if kv_dtype.itemsize == 4 else "16bit"
+
+
+def lookup(target_key: str, num_heads: int, q_len: int, kv_dtype: torch.dtype) -> TableEntry:
+    """The most specific entry of ``TABLES[target_key]`` for this shape and KV dtype."""
+    table = TABLES[target_key]
+    h, s, kv = head_bucket(num_heads), q_len_bucket(q_len), kv_kind(kv_dtype)
+    for key in ((h, s, kv), (h, s, "*"), (h, "*", kv), (h, "*", "*"), ("*", "*", kv)):
+        if key in table:
+            return table[key]
+    return table[("*", "*", "*")]
+
+
+def load_table_file(path: str | os.PathLike) -> dict[str, dict[Key, TableEntry]]:
+    """Parse an autotune JSON file: ``{"target": ..., "device": ..., "entries": [...]}``.
+
+    Each entry is ``{"heads": "128", "q_len": "1", "kv": "16bit", "config": {...},
+    "source": "..."}`` (``"*"`` allowed in the three keys). Returns ``{target: {key: entry}}``
+    without touching ``TABLES``; ``install_table_file`` merges it in.
+    """
+    data = json.loads(Path(path).read_text())
+    target = data.get("target")
+    if target not in TARGET_KEYS:
+        raise ValueError(f"{path}: 'target' must be one of {TARGET_KEYS}, got {target!r}")
+    entries = {}
+    for item in data.get("entries", []):
+        key = (str(item["heads"]), str(item["q_len"]), str(item["kv"]))
+        allowed = (
+            [str(b) for b in HEAD_BUCKETS] + ["*"],
+            [str(b) for b in Q_LEN_BUCKETS] + ["*"],
+            [*KV_KINDS, "*"],
+        )
+        for part, ok in zip(key, allowed, strict=True):
+            if part not in ok:
+                raise ValueError(f"{path}: key {key}: {part!r} is not one of {ok}")
+        source = item.get("source") or f"measured: {data.get('device', 'unknown device')}"
+        entries[key] = TableEntry(LaunchConfig.from_dict(item["config"]), source)
+    return {target: entries}
+
+
+def install_table_file(path: str | os.PathLike) -> None:
+    """Merge an autotune JSON file over the built-in entries of its target."""
+    for target, entries in load_table_file(path).items():
+        TABLES[target] = {**TABLES[target], **entries}
+
+
+if os.environ.get("ROCM_MLA_TRITON_CONFIGS"):
+    install_table_file(os.environ["ROCM_MLA_TRITON_CONFIGS"])

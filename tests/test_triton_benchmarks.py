@@ -1,0 +1,84 @@
+"""The kernel roofline's arithmetic and presets, and the autotune sweep, without a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from benchmarks import autotune_triton, kernel_roofline
+from rocm_mla.kernels.merge_states import TritonTarget
+
+
+def test_gpu_preset_holds_the_issue_17_cases():
+    labels = {c.label() for c in kernel_roofline.PRESETS["gpu"]}
+    for label in (
+        "B128 ctx32K H16",
+        "B32 ctx16K H16",
+        "B8 ctx32K H16",
+        "B128 ctx32K H128",
+        "B32 ctx16K H128",
+        "B64 ctx8K H128 S_q2",
+        "B64 ctx8K H128 fp8",
+        "B128 ctx16K H16 fp8",
+        "B128 ctx16K H16",  # the bf16 twin of the fp8 H16 case
+    ):
+        assert label in labels, label
+    tiny = kernel_roofline.PRESETS["tiny"]
+    assert max(c.batch * c.context for c in tiny) <= 4 * 4096
+
+
+def test_metrics_and_peer_ratios():
+    lens = torch.full((2,), 1000, dtype=torch.int32)
+    kv = torch.empty(1, dtype=torch.bfloat16)
+    cost = kernel_roofline.roofline(lens, 16, 1, kv, torch.bfloat16)
+    assert cost["bytes"] == 2000 * 576 * 2 + 2 * 16 * (576 + 512) * 2
+    assert cost["flops"] == 2000 * 16 * 2 * (576 + 512)
+    case = kernel_roofline.Case(2, 1000, 16, 1, "bf16")
+    peaks = kernel_roofline.peak_compute("NVIDIA H200")
+    m = kernel_roofline.metrics(cost, 1e-3, case, 4.8e12, peaks)
+    assert math.isclose(m["pct_peak_bw"], 100 * cost["bytes"] / 1e-3 / 4.8e12)
+    assert math.isclose(m["pct_peak_compute"], 100 * cost["flops"] / 1e-3 / 989e12)
+    # H16 is memory-bound: the roofline time is the bandwidth time.
+    assert math.isclose(m["pct_roofline"], m["pct_peak_bw"])
+    fp8 = kernel_roofline.metrics(
+        cost, 1e-3, kernel_roofline.Case(2, 1000, 16, 1, "fp8"), 4.8e12, peaks
+    )
+    assert math.isclose(fp8["pct_peak_compute"], 100 * cost["flops"] / 1e-3 / 1979e12)
+    assert kernel_roofline.peak_compute("cpu-x86_64") is None
+    rows = [
+        {"case": "a", "peer": False, "time_us": 50.0},
+        {"case": "a", "peer": True, "time_us": 100.0},
+        {"case": "a", "peer": True, "time_us": 80.0},
+        {"case": "b", "peer": False, "time_us": 10.0},
+        {"case": "a", "peer": True, "skipped": "no"},
+    ]
+    kernel_roofline.add_peer_ratios(rows)
+    assert rows[0]["vs_best_peer"] == 80.0 / 50.0 and rows[2]["vs_best_peer"] == 1.0
+    assert "vs_best_peer" not in rows[3]  # no peer ran that case
+
+
+def test_flash_mla_path_that_is_not_there(tmp_path):
+    module, reason = kernel_roofline.flash_mla_module(str(tmp_path))
+    assert module is None and "flash_mla_interface.py" in reason
+
+
+@pytest.mark.parametrize(
+    "target",
+    [TritonTarget("cuda", "sm90", 132), TritonTarget("hip", "gfx942", 304)],
+)
+@pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])
+def test_autotune_sweep_is_valid_for_each_target(target, kv_kind):
+    configs = autotune_triton.sweep(target, kv_kind, quick=False)
+    assert len(set(configs)) == len(configs) > 8
+    for config in configs:
+        assert (config.fp8_qk or config.fp8_pv) == (kv_kind == "fp8")
+        hip_knobs = config.waves_per_eu is not None
+        assert hip_knobs == (target.backend == "hip")
+        if target.arch == "gfx942":
+            assert config.block_n <= 32 and config.num_stages <= 2  # 64 KB of LDS
+    quick = autotune_triton.sweep(target, kv_kind, quick=True)
+    assert set(quick) <= set(configs) and all(c.block_h == 64 for c in quick)

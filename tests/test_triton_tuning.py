@@ -1,0 +1,413 @@
+"""The tuned launch tables, the occupancy-based split choice, every config shape class the
+tables hand out, and the fp8-dot path, on the CPU interpreter (or a GPU when present).
+
+Shape classes run through ``kernels.mla_decode.mla_decode`` with the config forced, so the
+interpreter executes exactly the block shapes (16/32/64 rows, 16..64 keys, one or two Dv
+halves) and fp8 options a GPU would get from the table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import rocm_mla
+from rocm_mla.backends.triton import TritonMLAImpl
+from rocm_mla.inputs import prepare_decode
+from rocm_mla.kernels import mla_decode as kernel
+from rocm_mla.kernels import tuned_configs as tables
+from rocm_mla.kernels.merge_states import TritonTarget, triton_target
+from tests.reference import assert_same_attention, dense_mla_decode, make_paged_problem
+
+if TritonMLAImpl.unavailable_reason() is not None:
+    pytest.skip(TritonMLAImpl.unavailable_reason(), allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+SM90 = TritonTarget("cuda", "sm90", 132)
+GFX942 = TritonTarget("hip", "gfx942", 304)
+GFX950 = TritonTarget("hip", "gfx950", 256)
+
+
+def prepared(lengths, *, heads, q_len, block=16, dtype=torch.float32, seed=0, head_dim=576):
+    q, kv, bt, lens = make_paged_problem(
+        lengths,
+        num_heads=heads,
+        q_len=q_len,
+        block_size=block,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=seed,
+    )
+    q, kv, bt, lens = q.to(DEVICE), kv.to(DEVICE), bt.to(DEVICE), lens.to(DEVICE)
+    return q, kv, bt, lens
+
+
+def run_kernel(q, kv, bt, lens, *, config, splits, head_dim_v=512, kv_scale=None):
+    p = prepare_decode(
+        q, kv, bt, lens, head_dim_v=head_dim_v, softmax_scale=None, causal=True, kv_scale=kv_scale
+    )
+    return kernel.mla_decode(
+        p.q,
+        p.kv_cache,
+        p.block_table,
+        p.cache_seqlens,
+        head_dim_v=head_dim_v,
+        softmax_scale=p.softmax_scale,
+        kv_scale=kv_scale,
+        num_kv_splits=splits,
+        config=config,
+    )
+
+
+# ---- the tables -------------------------------------------------------------------------------
+
+
+def test_lookup_prefers_the_most_specific_entry():
+    assert kernel.target_key(SM90) == "sm90"
+    assert kernel.target_key(TritonTarget("cuda", "sm80", 108)) == "fallback"
+    assert kernel.target_key(TritonTarget("hip", "gfx90a", 104)) == "gfx942"
+    assert kernel.target_key(TritonTarget("interpreter", None, 1)) == "interpreter"
+    # H128 bf16 on gfx942 has its own row; H16 bf16 and every fp8 shape do not.
+    h128 = kernel.default_config(GFX942, num_heads=128, kv_dtype=torch.bfloat16)
+    h16 = kernel.default_config(GFX942, num_heads=16, kv_dtype=torch.bfloat16)
+    fp8 = kernel.default_config(GFX942, num_heads=128, kv_dtype=torch.float8_e4m3fnuz)
+    assert (h128.block_h, h128.dv_chunks) == (32, 2)
+    assert h16 == tables.TABLES["gfx942"][("*", "*", "*")].config
+    assert fp8.fp8_qk and fp8.fp8_pv
+    # A hip arch without its own table keeps gfx942's shapes, minus XCD remap and kpack.
+    other = kernel.default_config(TritonTarget("hip", "gfx90a", 104))
+    assert other.num_xcds == 1 and other.kpack is None and other.block_n == h16.block_n
+
+
+def test_sm90_takes_the_measured_sweep_winner_and_amd_is_marked_unmeasured():
+    for heads in (16, 32, 128):
+        entry = kernel.table_entry(SM90, num_heads=heads, kv_dtype=torch.bfloat16)
+        config = entry.config
+        assert (config.block_h, config.block_n, config.num_warps, config.num_stages) == (
+            64,
+            64,
+            8,
+            3,
+        )
+        assert entry.source.startswith("measured")
+    for key, table in tables.TABLES.items():
+        if key in ("gfx942", "gfx950"):
+            assert all(e.source.startswith("unmeasured") for e in table.values())
+        assert ("*", "*", "*") in table or key == "sm90"
+
+
+def test_table_file_round_trip_and_bad_files(tmp_path):
+    config = tables.LaunchConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, dv_chunks=2)
+    path = tmp_path / "sm90.json"
+    path.write_text(
+        json.dumps(
+            {
+                "target": "sm90",
+                "device": "NVIDIA H200",
+                "entries": [
+                    {"heads": "128", "q_len": "2", "kv": "16bit", "config": config.to_dict()}
+                ],
+            }
+        )
+    )
+    loaded = tables.load_table_file(path)
+    entry = loaded["sm90"][("128", "2", "16bit")]
+    assert entry.config == config and entry.source == "measured: NVIDIA H200"
+    saved = dict(tables.TABLES["sm90"])
+    try:
+        tables.install_table_file(path)
+        assert kernel.default_config(SM90, num_heads=128, q_len=2) == config
+        assert kernel.default_config(SM90, num_heads=128, q_len=1).block_n == 64
+    finally:
+        tables.TABLES["sm90"] = saved
+    path.write_text(json.dumps({"target": "sm91", "entries": []}))
+    with pytest.raises(ValueError, match="target"):
+        tables.load_table_file(path)
+    path.write_text(
+        json.dumps(
+            {
+                "target": "sm90",
+                "entries": [{"heads": "100", "q_len": "1", "kv": "fp8", "config": {}}],
+            }
+        )
+    )
+    with pytest.raises(ValueError, match="100"):
+        tables.load_table_file(path)
+    with pytest.raises(ValueError, match="block_h"):
+        tables.LaunchConfig(block_h=48, block_n=64, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="dv_chunks"):
+        tables.LaunchConfig(block_h=64, block_n=64, num_warps=4, num_stages=1, dv_chunks=4)
+
+
+def test_occupancy_shapes_the_split_choice():
+    big = kernel.default_config(SM90, num_heads=128)
+    # The 64 x 64 x 3-stage bf16 config fills an H200 SM's shared memory: one per SM.
+    assert kernel.programs_per_cu(big, SM90, kv_dtype=torch.bfloat16) == 1
+    small = tables.LaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    assert kernel.programs_per_cu(small, SM90, kv_dtype=torch.bfloat16) > 1
+    # fp8 halves the tile: at least as many resident programs as bf16.
+    fp8_count = kernel.programs_per_cu(small, SM90, kv_dtype=torch.float8_e4m3fn)
+    assert fp8_count >= kernel.programs_per_cu(small, SM90, kv_dtype=torch.bfloat16)
+    # B1 H16 at 32K: a one-per-SM config splits up to the bound; more resident programs per
+    # SM can only ask for at least as many splits.
+    _, splits_big = kernel.plan_launch(
+        batch=1,
+        q_len=1,
+        num_heads=16,
+        kv_dtype=torch.bfloat16,
+        max_len=32768,
+        total_len=32768,
+        target=SM90,
+    )
+    _, splits_small = kernel.plan_launch(
+        batch=1,
+        q_len=1,
+        num_heads=16,
+        kv_dtype=torch.bfloat16,
+        max_len=32768,
+        total_len=32768,
+        target=SM90,
+        config=small,
+    )
+    assert splits_big == kernel.MAX_SPLITS and splits_small >= splits_big
+    # B128 H128 at 32K: 128 x 2 groups already fill 132 SMs about twice over.
+    config, splits = kernel.plan_launch(
+        batch=128,
+        q_len=1,
+        num_heads=128,
+        kv_dtype=torch.bfloat16,
+        max_len=32768,
+        total_len=128 * 32768,
+        target=SM90,
+    )
+    assert config.block_h == 64 and splits <= 2
+
+
+def test_plan_launch_shrinks_rows_and_never_reads_a_tensor(monkeypatch):
+    """plan_launch is host arithmetic: it must work with every tensor read forbidden."""
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("plan_launch read a tensor")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_sync)
+    monkeypatch.setattr(torch.Tensor, "tolist", no_sync)
+    config, splits = kernel.plan_launch(
+        batch=4,
+        q_len=1,
+        num_heads=16,
+        kv_dtype=torch.bfloat16,
+        max_len=8192,
+        total_len=4 * 8192,
+        target=SM90,
+    )
+    assert config.block_h == 16 and splits >= 1
+    config, _ = kernel.plan_launch(
+        batch=4,
+        q_len=2,
+        num_heads=16,
+        kv_dtype=torch.bfloat16,
+        max_len=8192,
+        total_len=4 * 8192,
+        target=SM90,
+    )
+    assert config.block_h == 32
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        q, kv, bt, lens = prepared([5], heads=16, q_len=1)
+        run_kernel(q, kv, bt, lens, config=config, splits=0)
+
+
+def test_planned_call_makes_no_device_to_host_transfer(monkeypatch):
+    """mla_decode with num_kv_splits and config given reads no tensor on the host."""
+    q, kv, bt, lens = prepared([40, 7], heads=16, q_len=1, seed=2)
+    want, want_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
+    p = prepare_decode(
+        q, kv, bt, lens, head_dim_v=512, softmax_scale=None, causal=True, kv_scale=None
+    )
+    config, splits = kernel.plan_launch(
+        batch=2, q_len=1, num_heads=16, kv_dtype=kv.dtype, max_len=40, total_len=47
+    )
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("a planned mla_decode read a tensor back to the host")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    out, lse = kernel.mla_decode(
+        p.q,
+        p.kv_cache,
+        p.block_table,
+        p.cache_seqlens,
+        head_dim_v=512,
+        softmax_scale=p.softmax_scale,
+        num_kv_splits=max(splits, 2),
+        config=config,
+    )
+    monkeypatch.undo()
+    assert_same_attention(out, lse, want, want_lse, TOL[torch.float32])
+
+
+# ---- every config shape class the tables hand out, on the interpreter --------------------------
+
+
+def _table_shape_classes():
+    """Distinct (rows, keys, Dv halves, fp8 dots) among all tables' entries, each once."""
+    classes = {}
+    for target_key, table in tables.TABLES.items():
+        for key, entry in table.items():
+            c = entry.config
+            classes.setdefault((c.block_h, c.block_n, c.dv_chunks, c.fp8_qk, c.fp8_pv), []).append(
+                (target_key, key)
+            )
+    return sorted(classes.items())
+
+
+@pytest.mark.parametrize(("shape", "where"), _table_shape_classes())
+def test_every_table_shape_class_matches_torch(shape, where):
+    block_h, block_n, dv_chunks, fp8_qk, fp8_pv = shape
+    config = tables.LaunchConfig(
+        block_h=block_h,
+        block_n=block_n,
+        num_warps=4,
+        num_stages=1,
+        dv_chunks=dv_chunks,
+        fp8_qk=fp8_qk,
+        fp8_pv=fp8_pv,
+    )
+    # Enough rows that the group holds block_h of them (64 = 16 heads x 4 positions).
+    heads, q_len = (16, block_h // 16)
+    if fp8_qk or fp8_pv:
+        q, kv, bt, lens = prepared([70, 3], heads=heads, q_len=q_len, seed=block_n)
+        kv8 = (kv / 0.25).to(torch.float8_e4m3fn)
+        out, lse = run_kernel(q, kv8, bt, lens, config=config, splits=2, kv_scale=0.25)
+        assert_fp8_dot_result(out, lse, q, kv8, bt, lens, 0.25, config)
+        return
+    q, kv, bt, lens = prepared([70, 3], heads=heads, q_len=q_len, dtype=torch.float16, seed=7)
+    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=2)
+    ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
+    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float16])
+
+
+@pytest.mark.parametrize(
+    ("block_h", "block_n", "dv_chunks", "heads", "q_len", "lengths", "splits"),
+    [
+        (16, 16, 2, 1, 3, [37, 0], 1),  # H = 1: 3 real rows of 16
+        (32, 32, 2, 16, 2, [70, 5], 3),
+        (64, 64, 1, 128, 1, [66], 2),  # H = 128: two 64-row groups
+        (64, 16, 2, 20, 3, [19, 2, 0], 1),  # 60 rows, padded to 64
+    ],
+)
+def test_row_groups_and_dv_halves_across_head_counts(
+    block_h, block_n, dv_chunks, heads, q_len, lengths, splits
+):
+    config = tables.LaunchConfig(
+        block_h=block_h, block_n=block_n, num_warps=4, num_stages=1, dv_chunks=dv_chunks
+    )
+    q, kv, bt, lens = prepared(lengths, heads=heads, q_len=q_len, seed=sum(lengths))
+    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=splits)
+    ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
+    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float32])
+
+
+def test_dv_halves_with_a_dv_that_is_not_a_power_of_two():
+    """Dv 72 pads to 128: the second half holds 8 real columns and 56 masked ones."""
+    config = tables.LaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, dv_chunks=2)
+    q, kv, bt, lens = prepared([45, 12], heads=16, q_len=2, head_dim=100, seed=4)
+    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=2, head_dim_v=72)
+    ref_out, ref_lse = dense_mla_decode(q.cpu(), kv.cpu(), bt.cpu(), lens.cpu(), head_dim_v=72)
+    assert_same_attention(out.cpu(), lse.cpu(), ref_out.float(), ref_lse.float(), 1e-5)
+
+
+# ---- fp8 dots ---------------------------------------------------------------------------------
+
+
+def quantize_rows_like_the_kernel(q: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """q rounded the way ``fp8_qk`` rounds it: per (token, head) row, amax -> fp8's max."""
+    fp8_max = torch.finfo(fp8).max
+    qf = q.float()
+    amax = qf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+    return (qf / scale).to(fp8).float() * scale
+
+
+def assert_fp8_dot_result(out, lse, q, kv8, bt, lens, kv_scale, config, tol=2e-3):
+    """The fp8-dot result against torch on the dequantized cache, with the rounding modelled.
+
+    fp8_qk: torch gets the same per-row fp8 rounding of q, so scores agree to fp32 accuracy.
+    fp8_pv: each weight is rounded to fp8 (relative error <= 2^-4), so each output may move by
+    at most max|V| / 16 of its row's keys; the lse (exact fp32 denominators) does not move.
+    """
+    fp8 = kv8.dtype
+    q_ref = quantize_rows_like_the_kernel(q, fp8).to(q.dtype) if config.fp8_qk else q
+    kv_ref = kv8.float() * kv_scale
+    ref_out, ref_lse = rocm_mla.mla_decode(q_ref, kv_ref, bt, lens, backend="torch")
+    out, lse, ref_out, ref_lse = out.cpu(), lse.cpu(), ref_out.cpu(), ref_lse.cpu()
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty) and (out[empty] == 0).all()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    # fp32 scores of the same fp8 values; the interpreter's fp8 rounding ties differently.
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=tol, rtol=tol)
+    if config.fp8_pv:
+        v_max = kv_ref[..., :512].nan_to_num(0.0).abs().max().cpu()
+        assert (out.float() - ref_out.float()).abs().max() <= v_max / 16 + tol
+    else:
+        torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+@pytest.mark.parametrize(("fp8_qk", "fp8_pv"), [(True, False), (False, True), (True, True)])
+def test_fp8_dots_match_torch_with_the_rounding_modelled(fp8, fp8_qk, fp8_pv):
+    if fp8 not in TritonMLAImpl.capabilities.kv_dtypes:
+        pytest.skip(f"{fp8} is not this target's fp8 ({TritonMLAImpl.target()})")
+    config = tables.LaunchConfig(
+        block_h=32, block_n=32, num_warps=4, num_stages=1, fp8_qk=fp8_qk, fp8_pv=fp8_pv
+    )
+    q, kv, bt, lens = prepared([77, 1, 0, 40], heads=16, q_len=2, seed=5)
+    kv8 = (kv / 0.37).to(fp8)
+    out, lse = run_kernel(q, kv8, bt, lens, config=config, splits=2, kv_scale=0.37)
+    assert_fp8_dot_result(out, lse, q, kv8, bt, lens, 0.37, config)
+
+
+def test_fp8_options_are_ignored_for_16_bit_caches():
+    """fp8_qk/fp8_pv only apply to fp8 caches: a bf16-table entry with them is exact."""
+    config = tables.LaunchConfig(
+        block_h=16, block_n=16, num_warps=4, num_stages=1, fp8_qk=True, fp8_pv=True
+    )
+    q, kv, bt, lens = prepared([33, 4], heads=16, q_len=1, dtype=torch.float16, seed=3)
+    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=1)
+    ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
+    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float16])
+
+
+def test_dot_types_per_target():
+    cfg = tables.LaunchConfig(
+        block_h=64, block_n=64, num_warps=8, num_stages=3, fp8_qk=True, fp8_pv=True
+    )
+    import triton.language as tl
+
+    sm90 = kernel._dot_types(torch.bfloat16, torch.float8_e4m3fn, SM90, cfg)
+    assert sm90["K_DTYPE"] == tl.float8e4nv and sm90["QK_FP8"] and sm90["PV_FP8"]
+    assert sm90["FP8_EMULATE_MIN_EXP"] is None and sm90["P_SCALE"] == 256.0
+    gfx942 = kernel._dot_types(torch.bfloat16, torch.float8_e4m3fnuz, GFX942, cfg)
+    assert gfx942["V_DTYPE"] == tl.float8e4b8 and gfx942["FP8_MAX"] == 240.0
+    sm100 = kernel._dot_types(
+        torch.bfloat16, torch.float8_e4m3fn, TritonTarget("cuda", "sm100", 148), cfg
+    )
+    assert sm100["QK_FP8"]
+    # sm80 has no fp8 dot: the tiles are upcast to q's type.
+    sm80 = kernel._dot_types(
+        torch.bfloat16, torch.float8_e4m3fn, TritonTarget("cuda", "sm80", 1), cfg
+    )
+    assert sm80["K_DTYPE"] == tl.bfloat16 and not sm80["QK_FP8"] and sm80["P_SCALE"] == 1.0
+    here = triton_target()
+    if here.backend == "interpreter":
+        emu = kernel._dot_types(torch.float32, torch.float8_e4m3fn, here, cfg)
+        assert emu["K_DTYPE"] == tl.float32 and emu["FP8_EMULATE_MIN_EXP"] == -6.0
+    assert math.isclose(
+        kernel._dot_types(torch.bfloat16, torch.bfloat16, SM90, cfg)["P_SCALE"], 1.0
+    )
