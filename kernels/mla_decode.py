@@ -384,6 +384,19 @@ def _mla_decode_stage1(
             p = _to_fp8(weights * P_SCALE, FP8_DTYPE, V_DTYPE, FP8_EMULATE_MIN_EXP)
         else:
             p = weights.to(V_DTYPE)
+        if CAUSAL and Q_LEN > 1:
+            # Rows of one verify window see different keys: a non-finite key that only later
+            # rows see has weight 0 in the earlier ones, and 0 * NaN would still reach them.
+            # The rows that do see it are already poisoned through their scores.
+            kv_nope = tl.where(
+                tl.abs(kv_nope.to(tl.float32)) < float("inf"), kv_nope, tl.zeros_like(kv_nope)
+            )
+            if DV_CHUNKS == 2:
+                kv_nope_hi = tl.where(
+                    tl.abs(kv_nope_hi.to(tl.float32)) < float("inf"),
+                    kv_nope_hi,
+                    tl.zeros_like(kv_nope_hi),
+                )
         acc = tl.dot(p, kv_nope.to(V_DTYPE), acc * rescale[:, None], input_precision="ieee")
         if DV_CHUNKS == 2:
             acc_hi = tl.dot(

@@ -45,4 +45,6 @@ def torch_merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Te
     # weight (a broken partial in the row) is kept so that the row comes out NaN.
     contrib = torch.where(weights[..., None] != 0, outs.to(torch.float32), 0.0)
     out = (contrib * weights[..., None]).sum(dim=0)
+    # A weighted partial whose out holds NaN is broken too: its row's lse says so as well.
+    lse = torch.where(torch.isnan(out).any(dim=-1), math.nan, lse)
     return out.to(outs.dtype), lse

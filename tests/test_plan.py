@@ -235,7 +235,7 @@ def test_debug_mode_names_the_first_non_finite_input(monkeypatch):
         rocm_mla.mla_decode(q, kv_bad, bt, lens, backend="torch")
 
 
-@pytest.mark.parametrize("backend", ["torch"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_non_finite_inputs_propagate_as_nan(backend):
     if backend == "triton":
         pytest.importorskip("triton")
@@ -261,6 +261,15 @@ def test_non_finite_inputs_propagate_as_nan(backend):
             assert torch.isnan(lse[b, 0, h]), f"{name}: lse[{b}, 0, {h}] = {lse[b, 0, h]}"
             assert torch.isnan(out[b, 0, h]).any(), f"{name}: out[{b}, 0, {h}] has no NaN"
         assert (lse[2] == -math.inf).all() and (out[2] == 0).all(), f"{name}: empty row"
+    # A verify window (S_q = 2): a NaN in the last key reaches only the query that sees it.
+    q2, kv2, bt2, lens2 = make_paged_problem([40, 25], num_heads=4, q_len=2, seed=10)
+    ref_out, ref_lse = rocm_mla.mla_decode(q2, kv2, bt2, lens2, backend="torch")
+    kv2[int(bt2[0, 2]), 7, 3] = math.nan  # request 0, token 39: seen by query 1 only
+    out, lse = rocm_mla.mla_decode(q2, kv2, bt2, lens2, backend=backend)
+    assert torch.isnan(lse[0, 1]).all() and torch.isnan(out[0, 1]).all()
+    torch.testing.assert_close(out[0, 0], ref_out[0, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[0, 0], ref_lse[0, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1], ref_out[1], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

@@ -179,8 +179,8 @@ def test_views_with_element_offsets_past_2_pow_31_match_torch(splits):
 def test_merge_partials_past_2_pow_31_elements():
     """Stage-2 style merge where partial n starts at n x 2^30 elements (fp32: 4 GiB apart):
     partial 2 lies past 2^31 elements though the stride fits 32 bits."""
-    from rocm_mla.backends.torch_ref import torch_merge_states
     from rocm_mla.kernels.merge_states import launch_merge
+    from rocm_mla.merge import torch_merge_states
 
     gen = torch.Generator().manual_seed(0)
     outs = torch.randn(3, 5, 64, generator=gen)

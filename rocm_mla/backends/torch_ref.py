@@ -105,6 +105,11 @@ def torch_mla_decode(
             kv.masked_fill_((pos[None, :] >= lens[:, None])[:, :, None], 0.0)
             scores = torch.bmm(q, kv.transpose(1, 2))
             scores.masked_fill_(pos[None, None, :] >= row_visible[:, :, None], -math.inf)
+            if p.causal and q_len > 1:
+                # Rows of one verify window see different keys: a non-finite key that only
+                # later rows see has weight 0 in the earlier ones, and 0 * NaN would still
+                # reach them. The rows that do see it are already NaN through their scores.
+                kv[:, :, :dv] = torch.where(torch.isfinite(kv[:, :, :dv]), kv[:, :, :dv], 0.0)
         else:
             scores = torch.bmm(q, kv.transpose(1, 2))
 
