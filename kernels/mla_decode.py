@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rocm_mla.kernels.merge_states import TritonTarget, launch_merge, triton_target
+from rocm_mla.kernels.merge_states import launch_merge
+from rocm_mla.kernels.target import TritonTarget, triton_target
 from rocm_mla.kernels.tuned_configs import LaunchConfig, TableEntry, lookup
 
 __all__ = [

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from benchmarks import autotune_triton, kernel_roofline
-from rocm_mla.kernels.merge_states import TritonTarget
+from rocm_mla.kernels.target import TritonTarget
 
 
 def test_gpu_preset_holds_the_issue_17_cases():

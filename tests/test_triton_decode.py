@@ -19,7 +19,7 @@ import rocm_mla
 from rocm_mla.backends.triton import TritonMLAImpl
 from rocm_mla.inputs import prepare_decode
 from rocm_mla.kernels import mla_decode as kernel
-from rocm_mla.kernels.merge_states import TritonTarget, triton_target
+from rocm_mla.kernels.target import TritonTarget, triton_target
 from tests.reference import assert_same_attention, dense_mla_decode, make_paged_problem
 
 if TritonMLAImpl.unavailable_reason() is not None:

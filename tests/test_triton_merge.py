@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 import rocm_mla
-from rocm_mla.kernels.merge_states import TritonTarget, launch_merge, merge_states, triton_target
+from rocm_mla.kernels.merge_states import launch_merge, merge_states
+from rocm_mla.kernels.target import TritonTarget, triton_target
 from rocm_mla.merge import torch_merge_states
 from tests.reference import assert_same_attention
 

@@ -27,7 +27,7 @@ def _target():
     """The Triton target (``TritonTarget``), or None; never raises on a CPU-only machine."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from rocm_mla.kernels.merge_states import triton_target
+    from rocm_mla.kernels.target import triton_target
 
     return triton_target()
 
@@ -93,7 +93,7 @@ class TritonMLAImpl(MLADecodeImpl):
         if importlib.util.find_spec("triton") is None:
             return _NOT_INSTALLED
         if _target() is None:
-            from rocm_mla.kernels.merge_states import triton_target_unavailable_reason
+            from rocm_mla.kernels.target import triton_target_unavailable_reason
 
             return triton_target_unavailable_reason()
         return None
