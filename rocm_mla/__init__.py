@@ -1,17 +1,19 @@
 """rocm-mla: AMD-first MLA decode behind one context-parallel normalization contract."""
 
-from rocm_mla.api import available_backends, merge_states, mla_decode
+from rocm_mla.api import DecodePlan, available_backends, merge_states, mla_decode, plan_decode
 from rocm_mla.contract import normalize_cp
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "DecodePlan",
     "__version__",
     "available_backends",
     "merge_states",
     "mla_decode",
     "normalize_cp",
+    "plan_decode",
 ]
 
 

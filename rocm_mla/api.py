@@ -2,17 +2,172 @@
 
 Shapes (DeepSeek/Kimi absorbed MLA): ``D = head_dim_v + rope_dim`` = 512 + 64 = 576; the KV
 cache holds one latent row of ``D`` values per token, its first ``head_dim_v`` columns are V.
+
+Two ways to call the decode, FlashMLA-style:
+
+- one-shot: ``mla_decode(q, kv_cache, block_table, cache_seqlens)`` checks everything, picks
+  the backend and plans the launch on every call (reads the lengths: a host sync on a GPU);
+- planned: ``plan = plan_decode(cache_seqlens, q_len=..., num_heads=..., kv_dtype=...)`` once
+  per decode step, then ``mla_decode(..., plan=plan)`` in every MLA layer of the step. The
+  planned call checks shapes, dtypes and devices only and reads nothing back from the device,
+  so it can be captured in a CUDA/HIP graph. ``ROCM_MLA_DEBUG=1`` turns the value checks back
+  on for planned calls and adds a check that every input a row sees is finite.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from rocm_mla.backends import available_backends, select_backend
+from rocm_mla.backends import available_backends, backend_class, select_backend
 from rocm_mla.backends.torch_ref import torch_merge_states
-from rocm_mla.inputs import prepare_decode
+from rocm_mla.inputs import (
+    FP8_DTYPES,
+    KV_DTYPES,
+    Q_DTYPES,
+    DecodePlan,
+    DecodeSpec,
+    check_seqlens_and_blocks,
+    prepare_decode,
+)
 
-__all__ = ["available_backends", "merge_states", "mla_decode"]
+__all__ = ["DecodePlan", "available_backends", "merge_states", "mla_decode", "plan_decode"]
+
+
+def plan_decode(
+    cache_seqlens: torch.Tensor | Sequence[int],
+    *,
+    q_len: int,
+    num_heads: int,
+    head_dim_v: int = 512,
+    kv_dtype: torch.dtype,
+    rope_dim: int = 64,
+    q_dtype: torch.dtype | None = None,
+    causal: bool = True,
+    device: torch.device | str | None = None,
+    block_table: torch.Tensor | None = None,
+    kv_cache: torch.Tensor | None = None,
+    graph_max_seqlen: int | None = None,
+    backend: str | None = None,
+) -> DecodePlan:
+    """Plan one decode step: made once, passed as ``plan=`` to every MLA layer's decode.
+
+    Resolves the backend (``backend`` / ``$ROCM_MLA_BACKEND`` / auto), checks the lengths
+    (and, when given, that they fit ``block_table`` and its block ids fit ``kv_cache``) and
+    computes the launch decisions (Triton split count and block shapes, AITER's token count).
+    At most one host sync, here: none when ``cache_seqlens`` is on the CPU (a list or a CPU
+    tensor, as an engine's scheduler has them).
+
+    Args:
+        cache_seqlens: ``[B]`` tokens in the cache per request, the ``S_q`` new ones included
+            (as ``mla_decode``); a list of ints or an int tensor on any device.
+        q_len: ``S_q``, queries per request. num_heads: query heads the kernel sees.
+        head_dim_v, rope_dim: V width (512) and rope width (64); ``D`` is their sum.
+        kv_dtype: the cache's dtype (fp8 e4m3fn/e4m3fnuz included).
+        q_dtype: q's dtype; None means ``kv_dtype`` for a 16/32-bit cache, bfloat16 for fp8.
+        causal: as ``mla_decode``.
+        device: where q and the cache live; None: ``cache_seqlens``' device for a tensor,
+            else the current GPU when there is one, else the CPU.
+        block_table, kv_cache: optional; when given, the value checks of ``mla_decode`` run
+            here once (lengths within the table's capacity, used block ids in range).
+        graph_max_seqlen: plan for *any* lengths up to this bound instead of the values of
+            ``cache_seqlens`` (only its length ``B`` is used), for a decode captured once in a
+            CUDA/HIP graph and replayed on later steps.
+        backend: as ``mla_decode``.
+
+    Returns:
+        A ``DecodePlan`` valid for calls with these shapes and dtypes whose lengths lie in
+        ``[plan.min_seqlen, plan.max_seqlen]`` (checked only under ``ROCM_MLA_DEBUG=1``).
+
+    Raises:
+        ValueError: a malformed argument, or no backend (or not the named one) can run it.
+    """
+    for name, value, low in (("q_len", q_len, 1), ("num_heads", num_heads, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"plan_decode: {name} must be an int >= {low}, got {value!r}")
+    for name, value in (("head_dim_v", head_dim_v), ("rope_dim", rope_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"plan_decode: {name} must be an int >= 0, got {value!r}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(
+            f"plan_decode: kv_dtype must be float32, float16, bfloat16 or fp8 "
+            f"(e4m3fn/e4m3fnuz), got {kv_dtype!r}"
+        )
+    if q_dtype is None:
+        q_dtype = torch.bfloat16 if kv_dtype in FP8_DTYPES else kv_dtype
+    if q_dtype not in Q_DTYPES:
+        raise ValueError(
+            f"plan_decode: q_dtype must be float32, float16 or bfloat16, got {q_dtype!r}"
+        )
+
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dim() != 1 or cache_seqlens.dtype.is_floating_point:
+            raise ValueError(
+                "plan_decode: cache_seqlens must be a 1-D integer tensor [B], got "
+                f"{tuple(cache_seqlens.shape)} {cache_seqlens.dtype}"
+            )
+        lens_device = cache_seqlens.device
+        lens = cache_seqlens
+    else:
+        values = list(cache_seqlens)
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise ValueError(f"plan_decode: cache_seqlens must be ints, got {values!r}")
+        lens_device = None
+        lens = torch.tensor(values, dtype=torch.int64)
+    batch = lens.shape[0]
+    if batch < 1:
+        raise ValueError("plan_decode: cache_seqlens must hold at least one request, got []")
+    if device is None:
+        if lens_device is not None:
+            device = lens_device
+        elif kv_cache is not None:
+            device = kv_cache.device
+        else:
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+
+    if graph_max_seqlen is not None:
+        if (
+            isinstance(graph_max_seqlen, bool)
+            or not isinstance(graph_max_seqlen, int)
+            or (graph_max_seqlen < 0)
+        ):
+            raise ValueError(
+                f"plan_decode: graph_max_seqlen must be an int >= 0, got {graph_max_seqlen!r}"
+            )
+        low, high, total = 0, graph_max_seqlen, batch * graph_max_seqlen
+    else:
+        check_seqlens_and_blocks(
+            lens,
+            block_table,
+            block_size=None if kv_cache is None else kv_cache.shape[1],
+            num_blocks=None if kv_cache is None else kv_cache.shape[0],
+        )
+        low, high, total = (
+            int(v) for v in torch.stack([lens.min(), lens.max(), lens.sum()]).tolist()
+        )
+
+    spec = DecodeSpec(
+        device=device,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+        num_heads=num_heads,
+        q_len=q_len,
+        head_dim=head_dim_v + rope_dim,
+        head_dim_v=head_dim_v,
+        causal=bool(causal),
+        block_size=None if kv_cache is None else kv_cache.shape[1],
+    )
+    impl_cls = select_backend(backend, spec)
+    return impl_cls.make_plan(
+        spec,
+        batch=batch,
+        min_seqlen=low,
+        max_seqlen=high,
+        total_seqlen=total,
+        bounds_only=graph_max_seqlen is not None,
+    )
 
 
 def mla_decode(
@@ -26,6 +181,7 @@ def mla_decode(
     causal: bool = True,
     kv_scale: float | torch.Tensor | None = None,
     backend: str | None = None,
+    plan: DecodePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-MLA decode attention over a paged latent KV cache (FlashMLA-shaped).
 
@@ -44,20 +200,31 @@ def mla_decode(
         softmax_scale: defaults to ``D ** -0.5``.
         causal: query ``i`` of ``S_q`` sees keys ``[0, cache_seqlens - S_q + i]``; when
             False every query sees all ``cache_seqlens`` keys.
-        kv_scale: per-tensor dequant scale of an fp8 cache (required for fp8, else None).
+        kv_scale: per-tensor dequant scale of an fp8 cache (required for fp8, else None; a
+            Python float with ``plan``).
         backend: "auto", "aiter", "triton" or "torch"; None reads ``$ROCM_MLA_BACKEND``
             (default auto: aiter on gfx942/gfx950 when it can run the call, else Triton on
-            a GPU, else torch).
+            a GPU, else torch). Ignored with ``plan`` (the plan resolved it).
+        plan: a ``DecodePlan`` from ``plan_decode`` for this step: then only shapes, dtypes
+            and devices are checked (against the plan too) and nothing is read back from the
+            device; the lengths must lie in the plan's range.
 
     Returns:
         ``(out, lse)``: ``out [B, S_q, H, head_dim_v]`` in q's dtype; ``lse [B, S_q, H]``
         float32, natural log of the softmax denominator (scores already scaled). A row with
-        no visible key has ``out = 0`` and ``lse = -inf``, never NaN.
+        no visible key has ``out = 0`` and ``lse = -inf``. A NaN or Inf in an input a row
+        sees (q, a visible cache row, an overflowing scale) gives that row out NaN and lse
+        NaN, never a silent zero.
 
     Raises:
         ValueError: a malformed argument (which one, what was expected, what came), an
             unknown backend name, or a named backend that cannot run this call (its reasons).
     """
+    if plan is not None and not isinstance(plan, DecodePlan):
+        raise ValueError(
+            "mla_decode: plan must be a DecodePlan from rocm_mla.plan_decode, got "
+            f"{type(plan).__name__}"
+        )
     problem = prepare_decode(
         q,
         kv_cache,
@@ -67,15 +234,16 @@ def mla_decode(
         softmax_scale=softmax_scale,
         causal=causal,
         kv_scale=kv_scale,
+        check_values=plan is None,
     )
-    impl_cls = select_backend(backend, problem)
+    impl_cls = select_backend(backend, problem) if plan is None else backend_class(plan.backend)
     impl = impl_cls(
         num_heads=problem.num_heads,
         head_dim_v=head_dim_v,
         rope_dim=problem.head_dim - head_dim_v,
         softmax_scale=problem.softmax_scale,
     )
-    return impl.run(problem)
+    return impl.run(problem, plan)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

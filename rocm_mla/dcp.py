@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rocm_mla.api import mla_decode
+from rocm_mla.api import mla_decode, plan_decode
 from rocm_mla.backends.base import MLADecodeImpl
 from rocm_mla.backends.torch_ref import lse_merge_weights
+from rocm_mla.inputs import DecodePlan
 
 __all__ = [
     "RUNNER_CONTRACT",
@@ -36,6 +37,7 @@ __all__ = [
     "gather_query_heads",
     "local_seq_lens",
     "owner_rank",
+    "plan_step_decode",
     "slot_mapping",
     "verify_local_seq_lens",
 ]
@@ -251,6 +253,50 @@ class DecodeMetadata:
         return cls(block_table, seq_lens, local, dcp_world_size, dcp_rank, dcp_interleave)
 
 
+def plan_step_decode(
+    seq_lens: torch.Tensor,
+    q_len: int,
+    *,
+    num_heads: int,
+    head_dim_v: int,
+    rope_dim: int,
+    kv_dtype: torch.dtype,
+    q_dtype: torch.dtype,
+    device: torch.device | str,
+    backend: str | None = None,
+    dcp_world_size: int = 1,
+    dcp_rank: int = 0,
+    dcp_interleave: int = 1,
+) -> DecodePlan:
+    """The runner's one ``plan_decode`` per decode step, for the kernel call each MLA layer
+    makes (directly, or inside ``dcp_mla_decode``).
+
+    ``seq_lens`` ``[B]`` are the global lengths on the host (the runner's own numbers), so
+    planning reads nothing from the device. Without DCP the plan is for ``B`` requests of
+    ``q_len`` causal queries. With DCP it is for the call ``dcp_mla_decode`` makes: the window
+    folded into ``B * q_len`` single-query, non-causal requests whose lengths are this rank's
+    local lengths (``verify_local_seq_lens``), over ``num_heads`` gathered heads.
+    """
+    if seq_lens.device.type != "cpu":
+        raise ValueError(
+            f"plan_step_decode: seq_lens must be the runner's host copy (on the CPU), got a "
+            f"tensor on {seq_lens.device}"
+        )
+    common = {
+        "num_heads": num_heads,
+        "head_dim_v": head_dim_v,
+        "rope_dim": rope_dim,
+        "kv_dtype": kv_dtype,
+        "q_dtype": q_dtype,
+        "device": device,
+        "backend": backend,
+    }
+    if dcp_world_size == 1:
+        return plan_decode(seq_lens, q_len=q_len, causal=True, **common)
+    local = verify_local_seq_lens(seq_lens, q_len, dcp_world_size, dcp_rank, dcp_interleave)
+    return plan_decode(local.reshape(-1), q_len=1, causal=False, **common)
+
+
 # ---- layer side ---------------------------------------------------------------------------
 
 
@@ -316,7 +362,7 @@ def combine_partials(
     weights, total_lse = lse_merge_weights(lses.view(world, *lse.shape))
     weight = weights[rank][..., None]
     # Reduced in fp32: the sum of N rescaled partials keeps the precision of the exact merge.
-    scaled = torch.where(weight > 0, out.to(torch.float32) * weight, 0.0)
+    scaled = torch.where(weight != 0, out.to(torch.float32) * weight, 0.0)
     if not scatter_heads:
         dist.all_reduce(scaled, group=group)
         return scaled.to(out.dtype), total_lse
@@ -368,6 +414,7 @@ def dcp_mla_decode(
     head_dim_v: int | None = None,
     softmax_scale: float | None = None,
     kv_scale: float | torch.Tensor | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA decode over a token-sharded KV cache; every rank gets the exact attention.
 
@@ -400,6 +447,10 @@ def dcp_mla_decode(
         replicated_heads: every rank holds all heads (combine by all-reduce).
         head_dim_v: V width; None means 512 for a backend name, the impl's for an impl.
         softmax_scale, kv_scale: as ``mla_decode``.
+        plan: the runner's ``plan_decode`` for this step's kernel call as made here: the
+            gathered heads, the window folded into the batch (``B * S_q`` requests of one
+            query, ``causal=False``) and the rank-local lengths (``DecodeMetadata.plan_kernel``
+            builds it). None: the call plans itself.
 
     Returns:
         ``out [B, S_q, H_loc, head_dim_v]`` in q's dtype (``H`` heads when
@@ -436,7 +487,9 @@ def dcp_mla_decode(
                 f"dcp_mla_decode: head_dim_v={head_dim_v}, softmax_scale={softmax_scale} "
                 f"disagree with the impl's ({backend.head_dim_v}, {backend.softmax_scale})"
             )
-        out, lse = backend.forward(q, kv_cache, block_table, lens, causal=causal, kv_scale=kv_scale)
+        out, lse = backend.forward(
+            q, kv_cache, block_table, lens, causal=causal, kv_scale=kv_scale, plan=plan
+        )
     else:
         out, lse = mla_decode(
             q,
@@ -448,6 +501,7 @@ def dcp_mla_decode(
             causal=causal,
             kv_scale=kv_scale,
             backend=backend,
+            plan=plan,
         )
     out = out.reshape(batch, q_len, *out.shape[2:])
     lse = lse.reshape(batch, q_len, lse.shape[2])

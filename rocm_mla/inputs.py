@@ -1,20 +1,87 @@
-"""Validation of ``mla_decode`` arguments, done once before any kernel runs.
+"""Validation of ``mla_decode`` arguments, and the plan that lets a step skip most of it.
 
-Every check names the argument, what was expected and what came. Value checks (lengths,
-block ids) read the tensors, which costs one host sync on a GPU; they are what stops a bad
-block table from becoming an illegal memory access inside a kernel.
+Every check names the argument, what was expected and what came. Two kinds:
+
+- shape checks (``check_decode_args``): ranks, sizes, dtypes, devices. Pure host metadata,
+  no tensor is read; every call does them.
+- value checks (``check_decode_values``): lengths against the block table's capacity, block
+  ids in range. They read the tensors (one host sync on a GPU) and are what stops a bad block
+  table from becoming an illegal memory access inside a kernel. The one-shot ``mla_decode``
+  does them on every call; a planned call (``plan=``) relies on ``plan_decode`` having done
+  them once for the step, and repeats them only under ``ROCM_MLA_DEBUG=1``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+#: ``ROCM_MLA_DEBUG=1``: planned calls repeat the value checks and every call checks that the
+#: inputs a row can see are finite (naming the first non-finite one). Off by default: both
+#: read tensors back to the host.
+DEBUG_ENV_VAR = "ROCM_MLA_DEBUG"
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 Q_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
+
+
+def debug_checks_enabled() -> bool:
+    """Whether ``ROCM_MLA_DEBUG`` asks for the value and finiteness checks on every call."""
+    return os.environ.get(DEBUG_ENV_VAR, "").strip().lower() not in ("", "0", "false", "no")
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """What backend selection needs to know about a decode call: shapes and types, no values.
+
+    Built from a ``DecodeProblem`` (``problem.spec``) or by ``plan_decode`` before any tensor
+    of the step exists.
+    """
+
+    device: torch.device
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    num_heads: int
+    q_len: int
+    head_dim: int  #: D = head_dim_v + rope width
+    head_dim_v: int
+    causal: bool = True
+    block_size: int | None = None  #: None: not known yet (checked at the call)
+    #: whether the paged cache has a page-size-1 view without a copy (None: not known yet)
+    kv_pages_even: bool | None = None
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One decode step's decisions, made once by ``rocm_mla.plan_decode`` and shared by every
+    MLA layer of the step.
+
+    The plan holds for any call whose shapes and dtypes match it and whose ``cache_seqlens``
+    lie in ``[min_seqlen, max_seqlen]``; ``launch`` is the backend's own data (the Triton
+    split count and block shapes, AITER's token count). Using a plan reads no tensor.
+    """
+
+    backend: str
+    spec: DecodeSpec
+    batch: int
+    min_seqlen: int
+    max_seqlen: int
+    total_seqlen: int  #: sum of the lengths (an upper bound under ``graph_max_seqlen``)
+    #: the lengths are bounds, not values (a plan for CUDA/HIP graph capture and replay)
+    bounds_only: bool = False
+    launch: Any = field(default=None, compare=False)
+
+    @property
+    def min_visible(self) -> int:
+        """Keys every query row of every request is sure to see (0 when not causal-known)."""
+        if self.spec.causal:
+            return max(0, self.min_seqlen - (self.spec.q_len - 1))
+        return self.min_seqlen
 
 
 @dataclass(frozen=True)
@@ -54,6 +121,23 @@ class DecodeProblem:
     def block_size(self) -> int:
         return self.kv_cache.shape[1]
 
+    @property
+    def spec(self) -> DecodeSpec:
+        kv = self.kv_cache
+        even = kv.shape[0] == 1 or kv.stride(0) == kv.shape[1] * kv.stride(1)
+        return DecodeSpec(
+            device=self.q.device,
+            q_dtype=self.q.dtype,
+            kv_dtype=kv.dtype,
+            num_heads=self.num_heads,
+            q_len=self.q_len,
+            head_dim=self.head_dim,
+            head_dim_v=self.head_dim_v,
+            causal=self.causal,
+            block_size=self.block_size,
+            kv_pages_even=even,
+        )
+
 
 def _fail(arg: str, expected: str, got: object) -> ValueError:
     return ValueError(f"mla_decode: {arg} must be {expected}, got {got}")
@@ -73,8 +157,47 @@ def prepare_decode(
     softmax_scale: float | None,
     causal: bool,
     kv_scale: float | torch.Tensor | None,
+    check_values: bool = True,
 ) -> DecodeProblem:
-    """Check every argument of ``mla_decode`` and return the normalized problem."""
+    """Check every argument of ``mla_decode`` and return the normalized problem.
+
+    ``check_values=False`` does the shape checks only and reads no tensor (a ``kv_scale``
+    tensor is then refused: turning it into the float the kernels take would read it).
+    """
+    problem = check_decode_args(
+        q,
+        kv_cache,
+        block_table,
+        cache_seqlens,
+        head_dim_v=head_dim_v,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        kv_scale=kv_scale,
+        read_scale=check_values,
+    )
+    if check_values:
+        check_decode_values(problem)
+    if debug_checks_enabled():
+        if not check_values:
+            check_decode_values(problem)
+        check_finite(problem)
+    return problem
+
+
+def check_decode_args(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    head_dim_v: int,
+    softmax_scale: float | None,
+    causal: bool,
+    kv_scale: float | torch.Tensor | None,
+    read_scale: bool = True,
+) -> DecodeProblem:
+    """The shape/dtype/device checks of ``mla_decode``: host metadata only, no tensor read
+    (except a ``kv_scale`` tensor when ``read_scale``)."""
     for name, t in (
         ("q", q),
         ("kv_cache", kv_cache),
@@ -148,6 +271,13 @@ def prepare_decode(
         if isinstance(kv_scale, torch.Tensor):
             if kv_scale.numel() != 1:
                 raise _fail("kv_scale", "a scalar (per-tensor scale)", _describe(kv_scale))
+            if not read_scale:
+                raise _fail(
+                    "kv_scale",
+                    "a Python float with plan= (reading a tensor scale is a host sync; "
+                    "read it once when the cache is set up)",
+                    _describe(kv_scale),
+                )
             kv_scale = float(kv_scale.item())
         kv_scale = float(kv_scale)
         if not (math.isfinite(kv_scale) and kv_scale > 0):
@@ -156,32 +286,6 @@ def prepare_decode(
         raise _fail(
             "kv_scale", f"None for a {kv_cache.dtype} cache (only fp8 caches scale)", kv_scale
         )
-
-    capacity = block_table.shape[1] * kv_cache.shape[1]
-    if batch:
-        lo, hi = torch.aminmax(cache_seqlens)
-        lo, hi = int(lo), int(hi)
-        if lo < 0:
-            raise _fail("cache_seqlens", "non-negative", f"a minimum of {lo}")
-        if hi > capacity:
-            raise _fail(
-                "cache_seqlens",
-                f"at most the block table's capacity {block_table.shape[1]} blocks x "
-                f"{kv_cache.shape[1]} tokens = {capacity}",
-                f"a maximum of {hi}",
-            )
-        used = _used_blocks_mask(block_table, cache_seqlens, kv_cache.shape[1])
-        if bool(used.any()):
-            ids = block_table[used]
-            bad = (ids < 0) | (ids >= kv_cache.shape[0])
-            if bool(bad.any()):
-                first = int(ids[bad][0])
-                raise _fail(
-                    "block_table",
-                    f"block ids in [0, {kv_cache.shape[0]}) (kv_cache's num_blocks) for every "
-                    "block that cache_seqlens uses",
-                    f"{int(bad.sum())} out-of-range ids, first {first}",
-                )
 
     return DecodeProblem(
         q=q,
@@ -193,6 +297,85 @@ def prepare_decode(
         causal=bool(causal),
         kv_scale=kv_scale if kv_cache.dtype in FP8_DTYPES else None,
     )
+
+
+def check_decode_values(problem: DecodeProblem) -> None:
+    """Lengths within the block table's capacity and used block ids in range (one sync)."""
+    check_seqlens_and_blocks(
+        problem.cache_seqlens,
+        problem.block_table,
+        block_size=problem.block_size,
+        num_blocks=problem.num_blocks,
+    )
+
+
+def check_seqlens_and_blocks(
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    *,
+    block_size: int | None,
+    num_blocks: int | None,
+) -> None:
+    """The value checks: ``0 <= cache_seqlens <= capacity`` and every block id a length uses
+    in ``[0, num_blocks)``. Parts whose inputs are None are skipped."""
+    if cache_seqlens.numel() == 0:
+        return
+    lo, hi = torch.aminmax(cache_seqlens)
+    lo, hi = int(lo), int(hi)
+    if lo < 0:
+        raise _fail("cache_seqlens", "non-negative", f"a minimum of {lo}")
+    if block_table is None or block_size is None:
+        return
+    capacity = block_table.shape[1] * block_size
+    if hi > capacity:
+        raise _fail(
+            "cache_seqlens",
+            f"at most the block table's capacity {block_table.shape[1]} blocks x "
+            f"{block_size} tokens = {capacity}",
+            f"a maximum of {hi}",
+        )
+    if num_blocks is None:
+        return
+    used = _used_blocks_mask(block_table, cache_seqlens.to(block_table.device), block_size)
+    if bool(used.any()):
+        ids = block_table[used]
+        bad = (ids < 0) | (ids >= num_blocks)
+        if bool(bad.any()):
+            first = int(ids[bad][0])
+            raise _fail(
+                "block_table",
+                f"block ids in [0, {num_blocks}) (kv_cache's num_blocks) for every "
+                "block that cache_seqlens uses",
+                f"{int(bad.sum())} out-of-range ids, first {first}",
+            )
+
+
+def check_finite(problem: DecodeProblem) -> None:
+    """``ROCM_MLA_DEBUG``: raise naming the first non-finite input a query row can see.
+
+    Slots past a request's length may hold anything (they are never read), so only the
+    cache rows below each length are checked.
+    """
+    p = problem
+    if not bool(torch.isfinite(p.q).all()):
+        index = tuple(int(i) for i in (~torch.isfinite(p.q)).nonzero()[0])
+        raise ValueError(f"mla_decode ({DEBUG_ENV_VAR}): q{list(index)} is not finite")
+    lens = p.cache_seqlens.to(torch.int64)
+    max_len = int(lens.max()) if lens.numel() else 0
+    if max_len == 0:
+        return
+    pos = torch.arange(max_len, device=lens.device)
+    valid = pos[None, :] < lens[:, None]  # [B, max_len]
+    cols = (pos // p.block_size).clamp(max=p.block_table.shape[1] - 1)
+    blocks = p.block_table[:, cols].to(torch.int64)  # [B, max_len]
+    rows = p.kv_cache[blocks.clamp(0, p.num_blocks - 1), (pos % p.block_size)[None, :]]
+    bad = valid & ~torch.isfinite(rows.to(torch.float32)).all(dim=-1)
+    if bool(bad.any()):
+        b, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"mla_decode ({DEBUG_ENV_VAR}): kv_cache row of request {b}, token {t} (block "
+            f"{int(blocks[b, t])}, offset {t % p.block_size}) is not finite"
+        )
 
 
 def _used_blocks_mask(

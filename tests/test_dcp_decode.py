@@ -22,6 +22,7 @@ from rocm_mla.dcp import (
     RUNNER_CONTRACT,
     DecodeMetadata,
     dcp_mla_decode,
+    plan_step_decode,
     slot_mapping,
 )
 from rocm_mla.distributed import ParallelState, WorkerError, launch
@@ -45,12 +46,13 @@ class Case:
     block_size: int = 16
     lengths: tuple[int, ...] = LENGTHS
     seed: int = 0
+    planned: bool = False  # one plan_step_decode plan for the step, as the engine's runner
 
     @property
     def name(self) -> str:
         return (
             f"w{self.world}-I{self.interleave}-sq{self.q_len}-{self.mode}-{self.backend}"
-            f"-bs{self.block_size}"
+            f"-bs{self.block_size}" + ("-planned" if self.planned else "")
         )
 
 
@@ -71,6 +73,13 @@ CASES += [
     Case(world, 4, q_len, backend="sentinel-impl", block_size=32)
     for world in (2, 4)
     for q_len in (1, 3)
+]
+CASES += [
+    Case(world, 4, q_len, backend=backend, planned=True, lengths=(40, 3, 0, 77))
+    for world in (2, 4)
+    for q_len in (1, 3)
+    for backend in ("torch", "triton")
+    if backend == "torch" or world == 2
 ]
 #: Bad runner metadata: (name, what the layer gets instead of [B, S_q] local lengths).
 BAD_METADATA = ("missing", "per-request-shape", "wrong-rank")
@@ -148,6 +157,28 @@ def run_case(state: ParallelState, case: Case):
     else:
         heads = TOTAL_HEADS // world
         q_in = q[:, :, rank * heads : (rank + 1) * heads]
+    plan = None
+    if case.planned:
+        plan = plan_step_decode(
+            seqlens,
+            case.q_len,
+            num_heads=TOTAL_HEADS,
+            head_dim_v=HEAD_DIM_V,
+            rope_dim=HEAD_DIM - HEAD_DIM_V,
+            kv_dtype=local_kv.dtype,
+            q_dtype=q.dtype,
+            device="cpu",
+            backend=case.backend,
+            dcp_world_size=world,
+            dcp_rank=rank,
+            dcp_interleave=case.interleave,
+        )
+        assert plan.batch == len(case.lengths) * case.q_len and not plan.spec.causal
+        # The same plan serves every MLA layer of the step: decode twice, as two layers.
+        first = dcp_mla_decode(
+            q_in, local_kv, meta, state.dcp_group, case.backend, head_dim_v=HEAD_DIM_V, plan=plan
+        )
+        assert first.shape == (*q_in.shape[:3], HEAD_DIM_V)
     return dcp_mla_decode(
         q_in,
         local_kv,
@@ -157,6 +188,7 @@ def run_case(state: ParallelState, case: Case):
         return_lse=True,
         replicated_heads=case.mode == "replicated",
         head_dim_v=HEAD_DIM_V if case.backend != "sentinel-impl" else None,
+        plan=plan,
     )
 
 
@@ -248,7 +280,7 @@ def test_single_rank_needs_no_local_lengths():
 
 
 class FailingImpl(TorchMLAImpl):
-    def _decode(self, problem):
+    def _decode(self, problem, plan):
         raise RuntimeError("injected fault in the decode kernel")
 
 
@@ -292,7 +324,7 @@ def test_rank_that_raises_mid_decode_fails_the_launch_fast():
     assert spawned_children() == []
 
 
-def test_combine_weights_are_the_exact_merge_weights_and_empty_shards_get_zero():
+def test_combine_weights_are_exact_empty_shards_get_zero_and_broken_ones_nan():
     inf, nan = float("inf"), float("nan")
     lses = torch.tensor([[0.5, -inf, -inf, nan], [2.0, 1.0, -inf, 3.0], [-1.0, -inf, -inf, inf]])
     weights, total = lse_merge_weights(lses)
@@ -301,5 +333,5 @@ def test_combine_weights_are_the_exact_merge_weights_and_empty_shards_get_zero()
     torch.testing.assert_close(weights[:, 0], torch.exp(lses[:, 0] - total[0]))
     assert weights[:, 1].tolist() == [0.0, 1.0, 0.0]
     assert weights[:, 2].tolist() == [0.0, 0.0, 0.0] and total[2] == -inf
-    # NaN and +inf lses are broken partials: they weigh nothing, never NaN.
-    assert weights[:, 3].tolist() == [0.0, 1.0, 0.0] and total[3] == 3.0
+    # NaN and +inf lses are broken partials: the row comes out NaN, never a silent drop.
+    assert torch.isnan(weights[:, 3]).all() and torch.isnan(total[3])

@@ -130,24 +130,26 @@ def test_merge_states_of_split_equals_unsplit():
     torch.testing.assert_close(lse, full_lse, atol=1e-5, rtol=1e-5)
 
 
-def test_merge_states_ignores_empty_and_nan_partials():
+def test_merge_states_drops_empty_partials_and_propagates_nan():
     gen = torch.Generator().manual_seed(0)
-    outs = torch.randn(3, 4, 8, generator=gen)
-    lses = torch.randn(3, 4, generator=gen)
+    outs = torch.randn(3, 5, 8, generator=gen)
+    lses = torch.randn(3, 5, generator=gen)
     outs[1] = math.nan
-    lses[1] = -math.inf  # an empty shard: NaN output, -inf lse
-    lses[2, 0] = math.nan  # a broken partial
-    outs[2, 0] = math.nan
-    lses[:, 3] = -math.inf  # a row where every partial is empty
+    lses[1] = -math.inf  # an empty shard: garbage output, -inf lse
+    lses[2, 0] = math.nan  # a broken partial: its row must come out NaN
+    lses[2, 4] = math.inf  # an overflowed one: NaN too
+    outs[0, 3] = math.nan  # a partial that saw a NaN (finite lse, NaN out)
+    lses[:, 3] = -math.inf  # ... but in a row where every partial is empty
     out, lse = rocm_mla.merge_states(outs, lses)
-    expected_0, lse_0 = outs[0, 0], lses[0, 0]  # row 0: only partial 0 counts
-    torch.testing.assert_close(out[0], expected_0)
-    torch.testing.assert_close(lse[0], lse_0)
+    for row in (0, 4):
+        assert torch.isnan(out[row]).all() and torch.isnan(lse[row])
     w = torch.softmax(lses[[0, 2], 1:3], dim=0)
     torch.testing.assert_close(out[1:3], (w[..., None] * outs[[0, 2], 1:3]).sum(0))
     torch.testing.assert_close(lse[1:3], torch.logsumexp(lses[[0, 2], 1:3], dim=0))
     assert (out[3] == 0).all() and lse[3] == -math.inf
-    assert not torch.isnan(out).any()
+    outs[0, 1, 2] = math.nan  # a NaN output in a partial with weight > 0 reaches the row
+    out, _ = rocm_mla.merge_states(outs, lses)
+    assert torch.isnan(out[1]).any()
 
 
 def test_merge_states_rejects_mismatched_shapes():

@@ -10,7 +10,7 @@ import importlib
 import os
 
 from rocm_mla.backends.base import Capabilities, MLADecodeImpl
-from rocm_mla.inputs import DecodeProblem
+from rocm_mla.inputs import DecodeProblem, DecodeSpec
 
 __all__ = [
     "BACKEND_NAMES",
@@ -63,8 +63,9 @@ def requested_backend(name: str | None = None) -> str:
     return name
 
 
-def select_backend(name: str | None, problem: DecodeProblem) -> type[MLADecodeImpl]:
-    """Resolve ``name`` (or the env var, or auto) to an impl class that can run ``problem``."""
+def select_backend(name: str | None, problem: DecodeSpec | DecodeProblem) -> type[MLADecodeImpl]:
+    """Resolve ``name`` (or the env var, or auto) to an impl class that can run ``problem``
+    (a whole problem, or the ``DecodeSpec`` of one that ``plan_decode`` is planning)."""
     name = requested_backend(name)
     if name == "auto":
         for candidate in BACKEND_NAMES:

@@ -38,7 +38,7 @@ import torch
 
 from rocm_mla import platform
 from rocm_mla.backends.base import Capabilities, MLADecodeImpl
-from rocm_mla.inputs import FP8_DTYPES, DecodeProblem, visible_lengths
+from rocm_mla.inputs import FP8_DTYPES, DecodePlan, DecodeProblem, DecodeSpec, visible_lengths
 
 SUPPORTED_ARCHS = ("gfx942", "gfx950")
 #: AITER's fp8 type per arch (``aiter.utility.dtypes.defaultDtypes``).
@@ -98,7 +98,11 @@ class AiterDecodeMetadata:
 
 
 def build_decode_metadata(
-    block_table: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int, q_len: int
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_size: int,
+    q_len: int,
+    total_tokens: int | None = None,
 ) -> AiterDecodeMetadata:
     """Expand a paged block table into AITER's page-size-1 metadata.
 
@@ -109,22 +113,27 @@ def build_decode_metadata(
         cache_seqlens: ``[B]`` int tokens per request.
         block_size: tokens per block of the paged cache.
         q_len: ``S_q``, queries per request.
+        total_tokens: ``sum(cache_seqlens)`` or any upper bound of it, known on the host (a
+            ``DecodePlan``'s ``total_seqlen``); None reads the sum (one host sync).
 
     Token ``t`` of request ``b`` becomes row ``block_table[b, t // block_size] * block_size
     + t % block_size`` of the ``[num_blocks * block_size, 1, 1, D]`` view. Vectorized on the
-    tensors' device; sizing ``kv_indices`` costs one host sync.
+    tensors' device with a fixed output size, so a plan's bound makes it sync-free; entries
+    past the real total are in bounds and never read (``kv_indptr`` ends before them).
     """
     device = block_table.device
     batch = block_table.shape[0]
     lens = cache_seqlens.to(torch.int64)
     kv_indptr = torch.zeros(batch + 1, dtype=torch.int64, device=device)
     torch.cumsum(lens, dim=0, out=kv_indptr[1:])
-    total = int(kv_indptr[-1])
-    request = torch.repeat_interleave(
-        torch.arange(batch, device=device), lens, output_size=total
-    )  # [total]: which request each token belongs to
-    position = torch.arange(total, device=device) - kv_indptr[request]
-    blocks = block_table[request, position // block_size].to(torch.int64)
+    total = int(kv_indptr[-1]) if total_tokens is None else total_tokens
+    token = torch.arange(total, device=device)
+    # Which request each flat token belongs to; tokens past the real total land on the last
+    # request at positions it does not have, clamped into its table to stay in bounds.
+    request = torch.searchsorted(kv_indptr[1:], token, right=True).clamp_(max=batch - 1)
+    position = token - kv_indptr[request]
+    column = (position // block_size).clamp_(0, block_table.shape[1] - 1)
+    blocks = block_table[request, column].to(torch.int64)
     kv_indices = blocks * block_size + position % block_size
     return AiterDecodeMetadata(
         qo_indptr=torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device),
@@ -195,13 +204,16 @@ class AiterMLAImpl(MLADecodeImpl):
         return f"hip {_gpu_arch()} (aiter {_aiter_version() or 'version unknown'})"
 
     @classmethod
-    def unsupported_reasons(cls, problem: DecodeProblem) -> list[str]:
-        reasons = super().unsupported_reasons(problem)
+    def unsupported_reasons(cls, call: DecodeSpec | DecodeProblem) -> list[str]:
+        reasons = super().unsupported_reasons(call)
         if cls.unavailable_reason() is not None:
             return reasons
-        return reasons + _shape_reasons(problem, _gpu_arch())
+        spec = call.spec if isinstance(call, DecodeProblem) else call
+        return reasons + _shape_reasons(spec, _gpu_arch())
 
-    def _decode(self, problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(
+        self, problem: DecodeProblem, plan: DecodePlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel call; returns ``(out [B, S_q, H, Dv] q.dtype, lse [B, S_q, H] fp32)``."""
         p = problem
         batch, q_len, num_heads, head_dim = p.q.shape
@@ -210,9 +222,7 @@ class AiterMLAImpl(MLADecodeImpl):
         kv_view = _flat_token_view(p.kv_cache)
         if kv_view is None:
             raise ValueError(_layout_reason(p.kv_cache))
-        meta = build_decode_metadata(p.block_table, p.cache_seqlens, p.block_size, q_len)
-
-        if meta.kv_indices.numel() == 0:
+        if plan.total_seqlen == 0:
             # Every row is empty. AITER sizes its splits from the token count and would
             # be asked for zero splits; the contract's answer needs no kernel.
             return (
@@ -220,6 +230,9 @@ class AiterMLAImpl(MLADecodeImpl):
                 torch.full((batch, q_len, num_heads), -math.inf, device=device),
             )
 
+        meta = build_decode_metadata(
+            p.block_table, p.cache_seqlens, p.block_size, q_len, plan.total_seqlen
+        )
         q = p.q.reshape(total_q, num_heads, head_dim)
         if heads != num_heads:
             padded = torch.zeros(total_q, heads, head_dim, dtype=q.dtype, device=device)
@@ -270,16 +283,16 @@ def _layout_reason(kv_cache: torch.Tensor) -> str:
     )
 
 
-def _shape_reasons(problem: DecodeProblem, arch: str | None) -> list[str]:
+def _shape_reasons(spec: DecodeSpec, arch: str | None) -> list[str]:
     """The limits of AITER's kernels that ``Capabilities`` cannot state as plain sets."""
-    p = problem
+    p = spec
     reasons = []
     if p.num_heads > KERNEL_HEADS[-1]:
         reasons.append(f"{p.num_heads} heads, supported: at most {KERNEL_HEADS[-1]}")
-    is_fp8 = p.kv_cache.dtype in FP8_DTYPES
-    if is_fp8 and arch in FP8_BY_ARCH and p.kv_cache.dtype != FP8_BY_ARCH[arch]:
+    is_fp8 = p.kv_dtype in FP8_DTYPES
+    if is_fp8 and arch in FP8_BY_ARCH and p.kv_dtype != FP8_BY_ARCH[arch]:
         reasons.append(
-            f"kv_cache dtype {p.kv_cache.dtype} on {arch}: AITER's fp8 there is {FP8_BY_ARCH[arch]}"
+            f"kv_cache dtype {p.kv_dtype} on {arch}: AITER's fp8 there is {FP8_BY_ARCH[arch]}"
         )
     max_q_len = MAX_Q_LEN_FP8 if is_fp8 else MAX_Q_LEN_BF16
     if p.q_len > max_q_len:
@@ -302,6 +315,8 @@ def _shape_reasons(problem: DecodeProblem, arch: str | None) -> list[str]:
     if not p.causal and p.q_len > 1:
         # The backend runs AITER's default causal mask; older releases have no switch for it.
         reasons.append("non-causal q_len > 1 (AITER's decode masks verify windows causally)")
-    if _flat_token_view(p.kv_cache) is None:
-        reasons.append(_layout_reason(p.kv_cache))
+    if p.kv_pages_even is False:
+        reasons.append(
+            "kv_cache blocks are not evenly strided, so it has no page-size-1 view without a copy"
+        )
     return reasons

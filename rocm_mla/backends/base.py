@@ -15,7 +15,14 @@ from typing import ClassVar
 import torch
 
 from rocm_mla.contract import check_cp, normalize_cp
-from rocm_mla.inputs import DecodeProblem, prepare_decode
+from rocm_mla.inputs import (
+    DEBUG_ENV_VAR,
+    DecodePlan,
+    DecodeProblem,
+    DecodeSpec,
+    debug_checks_enabled,
+    prepare_decode,
+)
 
 
 @dataclass(frozen=True)
@@ -97,29 +104,78 @@ class MLADecodeImpl:
         return None
 
     @classmethod
-    def unsupported_reasons(cls, problem: DecodeProblem) -> list[str]:
-        """Every reason this backend cannot run ``problem`` (empty when it can)."""
+    def unsupported_reasons(cls, call: DecodeSpec | DecodeProblem) -> list[str]:
+        """Every reason this backend cannot run ``call`` (empty when it can).
+
+        ``call`` is a ``DecodeSpec`` (shapes and dtypes, from ``plan_decode``) or a whole
+        ``DecodeProblem``.
+        """
+        spec = call.spec if isinstance(call, DecodeProblem) else call
         reason = cls.unavailable_reason()
         if reason is not None:
             return [reason]
         caps = cls.capabilities
         reasons = []
-        kind = device_kind(problem.q.device)
+        kind = device_kind(spec.device)
         if kind not in caps.platforms:
             reasons.append(f"tensors on {kind}, supported: {', '.join(caps.platforms)}")
-        if problem.q.dtype not in caps.q_dtypes:
-            reasons.append(f"q dtype {problem.q.dtype}, supported: {_names(caps.q_dtypes)}")
-        if problem.kv_cache.dtype not in caps.kv_dtypes:
-            reasons.append(
-                f"kv_cache dtype {problem.kv_cache.dtype}, supported: {_names(caps.kv_dtypes)}"
-            )
-        if caps.block_sizes is not None and problem.block_size not in caps.block_sizes:
-            reasons.append(f"block size {problem.block_size}, supported: {caps.block_sizes}")
-        if caps.num_heads is not None and problem.num_heads not in caps.num_heads:
-            reasons.append(f"{problem.num_heads} heads, supported: {caps.num_heads}")
-        if caps.max_q_len is not None and problem.q_len > caps.max_q_len:
-            reasons.append(f"q_len {problem.q_len}, supported: up to {caps.max_q_len}")
+        if spec.q_dtype not in caps.q_dtypes:
+            reasons.append(f"q dtype {spec.q_dtype}, supported: {_names(caps.q_dtypes)}")
+        if spec.kv_dtype not in caps.kv_dtypes:
+            reasons.append(f"kv_cache dtype {spec.kv_dtype}, supported: {_names(caps.kv_dtypes)}")
+        if (
+            caps.block_sizes is not None
+            and spec.block_size is not None
+            and spec.block_size not in caps.block_sizes
+        ):
+            reasons.append(f"block size {spec.block_size}, supported: {caps.block_sizes}")
+        if caps.num_heads is not None and spec.num_heads not in caps.num_heads:
+            reasons.append(f"{spec.num_heads} heads, supported: {caps.num_heads}")
+        if caps.max_q_len is not None and spec.q_len > caps.max_q_len:
+            reasons.append(f"q_len {spec.q_len}, supported: up to {caps.max_q_len}")
         return reasons
+
+    @classmethod
+    def plan_launch(
+        cls, spec: DecodeSpec, *, batch: int, max_seqlen: int, total_seqlen: int
+    ) -> object:
+        """The backend's per-step launch decisions (``DecodePlan.launch``), from host-known
+        lengths only; None when the backend needs none."""
+        return None
+
+    @classmethod
+    def make_plan(
+        cls,
+        spec: DecodeSpec,
+        *,
+        batch: int,
+        min_seqlen: int,
+        max_seqlen: int,
+        total_seqlen: int,
+        bounds_only: bool = False,
+    ) -> DecodePlan:
+        """A ``DecodePlan`` for this backend (the lengths are already known on the host)."""
+        return DecodePlan(
+            backend=cls.name,
+            spec=spec,
+            batch=batch,
+            min_seqlen=min_seqlen,
+            max_seqlen=max_seqlen,
+            total_seqlen=total_seqlen,
+            bounds_only=bounds_only,
+            launch=cls.plan_launch(
+                spec, batch=batch, max_seqlen=max_seqlen, total_seqlen=total_seqlen
+            ),
+        )
+
+    @classmethod
+    def plan_problem(cls, problem: DecodeProblem) -> DecodePlan:
+        """Plan a one-shot call from its own lengths: one host sync to read them."""
+        lens = problem.cache_seqlens
+        lo, hi, total = (int(v) for v in torch.stack([lens.min(), lens.max(), lens.sum()]).tolist())
+        return cls.make_plan(
+            problem.spec, batch=problem.batch, min_seqlen=lo, max_seqlen=hi, total_seqlen=total
+        )
 
     # ---- compute ------------------------------------------------------------------------
 
@@ -132,8 +188,13 @@ class MLADecodeImpl:
         *,
         causal: bool = True,
         kv_scale: float | torch.Tensor | None = None,
+        plan: DecodePlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode; shapes and semantics as ``rocm_mla.mla_decode``. Returns ``(out, lse)``."""
+        """Decode; shapes and semantics as ``rocm_mla.mla_decode`` (``plan=`` included).
+
+        The one place the sequence check -> select -> plan -> run is written: ``mla_decode``
+        and the vLLM impl both come through here.
+        """
         problem = prepare_decode(
             q,
             kv_cache,
@@ -143,6 +204,7 @@ class MLADecodeImpl:
             softmax_scale=self.softmax_scale,
             causal=causal,
             kv_scale=kv_scale,
+            check_values=plan is None,
         )
         if (
             problem.num_heads != self.num_heads
@@ -154,18 +216,84 @@ class MLADecodeImpl:
                 f"head_dim_v={self.head_dim_v}, rope_dim={self.rope_dim}), "
                 f"got {tuple(q.shape)}"
             )
-        reasons = self.unsupported_reasons(problem)
-        if reasons:
-            raise ValueError(
-                f"MLA backend '{self.name}' cannot run this call: {'; '.join(reasons)}"
-            )
-        return self.run(problem)
+        if plan is None:
+            reasons = self.unsupported_reasons(problem)
+            if reasons:
+                raise ValueError(
+                    f"MLA backend '{self.name}' cannot run this call: {'; '.join(reasons)}"
+                )
+        return self.run(problem, plan)
 
-    def run(self, problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode an already validated problem; re-checks the CP pair first, every call."""
+    def run(
+        self, problem: DecodeProblem, plan: DecodePlan | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode an already validated problem; re-checks the CP pair first, every call.
+
+        With ``plan`` the call must match it (shapes, dtypes, device, backend); nothing is
+        read back from the device. Without, the problem is planned here (one host sync).
+        """
         check_cp(self.dcp_world_size, self.dcp_rank)
-        return self._decode(problem)
+        if plan is None:
+            plan = self.plan_problem(problem)
+        else:
+            check_plan_matches(plan, problem, self.name)
+            if debug_checks_enabled():
+                check_lengths_within_plan(plan, problem)
+        return self._decode(problem, plan)
 
-    def _decode(self, problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel itself. Subclasses implement this."""
+    def _decode(
+        self, problem: DecodeProblem, plan: DecodePlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel itself. Subclasses implement this; it must read no tensor."""
         raise NotImplementedError
+
+
+def check_plan_matches(plan: DecodePlan, problem: DecodeProblem, backend: str) -> None:
+    """Raise unless ``problem`` is a call ``plan`` was made for (host metadata only)."""
+    if not isinstance(plan, DecodePlan):
+        raise ValueError(
+            f"mla_decode: plan must be a DecodePlan from rocm_mla.plan_decode, got "
+            f"{type(plan).__name__}"
+        )
+    spec = plan.spec
+    got = problem.spec
+    mismatches = [
+        f"{what}: plan {want}, call {have}"
+        for what, want, have in (
+            ("backend", plan.backend, backend),
+            ("batch", plan.batch, problem.batch),
+            ("q_len", spec.q_len, got.q_len),
+            ("num_heads", spec.num_heads, got.num_heads),
+            ("head_dim", spec.head_dim, got.head_dim),
+            ("head_dim_v", spec.head_dim_v, got.head_dim_v),
+            ("q dtype", spec.q_dtype, got.q_dtype),
+            ("kv_cache dtype", spec.kv_dtype, got.kv_dtype),
+            ("causal", spec.causal, got.causal),
+        )
+        if want != have
+    ]
+    if spec.device.type != got.device.type or (
+        None not in (spec.device.index, got.device.index)
+        and (spec.device.index != got.device.index)
+    ):
+        mismatches.append(f"device: plan {spec.device}, call {got.device}")
+    if spec.block_size is not None and spec.block_size != got.block_size:
+        mismatches.append(f"block_size: plan {spec.block_size}, call {got.block_size}")
+    if mismatches:
+        raise ValueError(
+            "mla_decode: the call does not match its plan (make one plan per step with "
+            f"rocm_mla.plan_decode for these shapes): {'; '.join(mismatches)}"
+        )
+
+
+def check_lengths_within_plan(plan: DecodePlan, problem: DecodeProblem) -> None:
+    """``ROCM_MLA_DEBUG``: the call's lengths lie in the plan's ``[min_seqlen, max_seqlen]``."""
+    lens = problem.cache_seqlens
+    if lens.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(lens))
+    if lo < plan.min_seqlen or hi > plan.max_seqlen:
+        raise ValueError(
+            f"mla_decode ({DEBUG_ENV_VAR}): cache_seqlens span [{lo}, {hi}], outside the plan's "
+            f"[{plan.min_seqlen}, {plan.max_seqlen}]; plan each step from its own lengths"
+        )

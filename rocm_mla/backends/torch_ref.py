@@ -14,7 +14,14 @@ import math
 import torch
 
 from rocm_mla.backends.base import Capabilities, MLADecodeImpl
-from rocm_mla.inputs import KV_DTYPES, Q_DTYPES, DecodeProblem, used_blocks_mask, visible_lengths
+from rocm_mla.inputs import (
+    KV_DTYPES,
+    Q_DTYPES,
+    DecodePlan,
+    DecodeProblem,
+    used_blocks_mask,
+    visible_lengths,
+)
 
 #: Tokens per request gathered per step: B x 256 x 576 fp32 rows stay in a CPU's L2/L3.
 CHUNK_TOKENS = 256
@@ -29,12 +36,18 @@ class TorchMLAImpl(MLADecodeImpl):
         platforms=("cpu", "cuda", "hip"), q_dtypes=Q_DTYPES, kv_dtypes=KV_DTYPES
     )
 
-    def _decode(self, problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch_mla_decode(problem)
+    def _decode(
+        self, problem: DecodeProblem, plan: DecodePlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch_mla_decode(problem, plan)
 
 
 @torch.no_grad()
-def torch_mla_decode(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_mla_decode(
+    problem: DecodeProblem, plan: DecodePlan | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference decode. ``plan`` supplies the longest length and the keys every row
+    sees (no host sync); without one they are read from the lengths (one sync)."""
     p = problem
     batch, q_len, num_heads, head_dim = p.q.shape
     dv, block_size, device = p.head_dim_v, p.block_size, p.q.device
@@ -51,15 +64,17 @@ def torch_mla_decode(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor
     denom = torch.zeros(batch, rows, device=device)
     acc = torch.zeros(batch, rows, dv, device=device)
 
-    max_len = int(lens.max())
-    # Tokens below this position are real data every row of every request may see, so the
+    if plan is None:
+        max_len, all_visible = (int(v) for v in torch.stack([lens.max(), visible.min()]).tolist())
+    else:
+        max_len, all_visible = plan.max_seqlen, plan.min_visible
+    # Tokens below all_visible are real data every row of every request may see, so the
     # chunks that lie entirely below it need no masking at all.
-    all_visible = int(visible.min())
     # Entries past a request's last block may hold anything; point them at block 0 so the
     # gather stays in bounds (the tokens they bring are masked out below).
     block_ids = torch.where(used_blocks_mask(p), p.block_table, 0).to(torch.int64)
     cols_per_chunk = max(1, CHUNK_TOKENS // block_size)
-    n_cols = -(-max_len // block_size)
+    n_cols = min(-(-max_len // block_size), p.block_table.shape[1])
     gathered = torch.empty(
         batch * min(cols_per_chunk, max(n_cols, 1)),
         block_size,
@@ -103,11 +118,14 @@ def torch_mla_decode(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor
         acc.mul_(scale_old[:, :, None]).baddbmm_(weights, kv[:, :, :dv])
         running_max = new_max
 
-    seen = denom > 0
-    out = torch.where(seen[:, :, None], acc / denom.clamp(min=1e-30)[:, :, None], 0.0)
+    # Only a row that saw no key has denom exactly 0. A non-finite input a row sees makes its
+    # denom NaN, and NaN must reach out and lse: a zero there would read as "no keys" and a
+    # merge would silently drop the partial.
+    empty = denom == 0
+    out = torch.where(empty[:, :, None], 0.0, acc / denom[:, :, None])
     if kv_scale != 1.0:
         out.mul_(kv_scale)
-    lse = torch.where(seen, running_max + torch.log(denom.clamp(min=1e-30)), -math.inf)
+    lse = torch.where(empty, -math.inf, running_max + torch.log(denom))
     return (
         out.view(batch, q_len, num_heads, dv).to(p.q.dtype),
         lse.view(batch, q_len, num_heads),
@@ -119,12 +137,14 @@ def lse_merge_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact LSE merge, as weights: the one place its formula is written.
 
     ``lses [N, ...rows]`` -> (``weights [N, ...rows]`` = ``exp(lse_n - logsumexp_m lse_m)``,
-    merged ``lse [...rows]`` float32). A NaN or +inf lse is a broken partial (an empty
-    shard's 0/0) and, like -inf, gets weight exactly 0; a row with no usable partial gets all
-    weights 0 and lse -inf.
+    merged ``lse [...rows]`` float32). A -inf lse is an empty partial: weight exactly 0. A
+    NaN or +inf lse is a broken one: the row's weights and merged lse become NaN, so the
+    fault reaches the output instead of vanishing. A row with no partial at all that saw a
+    key gets all weights 0 and lse -inf.
     """
     lse = lses.to(torch.float32)
-    lse = torch.where(torch.isnan(lse) | (lse == math.inf), -math.inf, lse)
+    broken = (torch.isnan(lse) | (lse == math.inf)).any(dim=0)
+    lse = torch.where(broken[None], -math.inf, lse)
     top = lse.amax(dim=0)
     ref = torch.where(top == -math.inf, 0.0, top)
     weights = torch.exp(lse - ref)  # exactly 0 for -inf partials
@@ -132,6 +152,8 @@ def lse_merge_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     seen = total > 0
     weights = weights / torch.where(seen, total, 1.0)
     merged = torch.where(seen, ref + torch.log(torch.where(seen, total, 1.0)), -math.inf)
+    weights = torch.where(broken[None], math.nan, weights)
+    merged = torch.where(broken, math.nan, merged)
     return weights, merged
 
 
@@ -139,7 +161,8 @@ def lse_merge_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def torch_merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact LSE merge of N partial attentions; see ``rocm_mla.merge_states``."""
     weights, lse = lse_merge_weights(lses)
-    # Partials with weight 0 are never read: their outputs may be NaN.
-    contrib = torch.where(weights[..., None] > 0, outs.to(torch.float32), 0.0)
+    # Empty partials (weight exactly 0) are never read: their outputs may be NaN. A NaN
+    # weight (a broken partial in the row) is kept so that the row comes out NaN.
+    contrib = torch.where(weights[..., None] != 0, outs.to(torch.float32), 0.0)
     out = (contrib * weights[..., None]).sum(dim=0)
     return out.to(outs.dtype), lse

@@ -14,7 +14,7 @@ import importlib.util
 import torch
 
 from rocm_mla.backends.base import Capabilities, MLADecodeImpl
-from rocm_mla.inputs import Q_DTYPES, DecodeProblem
+from rocm_mla.inputs import Q_DTYPES, DecodePlan, DecodeProblem, DecodeSpec
 
 _NOT_INSTALLED = (
     "triton is not installed (CPU/CUDA: pip install 'rocm-mla[triton]'; ROCm images ship "
@@ -110,9 +110,28 @@ class TritonMLAImpl(MLADecodeImpl):
             return "the Triton interpreter is for testing only (slow); ask for it by name"
         return None
 
-    def _decode(self, problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    @classmethod
+    def plan_launch(
+        cls, spec: DecodeSpec, *, batch: int, max_seqlen: int, total_seqlen: int
+    ) -> object:
+        """Stage-1 block shapes and split count (``kernels.mla_decode.plan_launch``)."""
         from rocm_mla.kernels import mla_decode
 
+        return mla_decode.plan_launch(
+            batch=batch,
+            q_len=spec.q_len,
+            num_heads=spec.num_heads,
+            kv_dtype=spec.kv_dtype,
+            max_len=max_seqlen,
+            total_len=total_seqlen,
+        )
+
+    def _decode(
+        self, problem: DecodeProblem, plan: DecodePlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from rocm_mla.kernels import mla_decode
+
+        config, num_kv_splits = plan.launch
         return mla_decode.mla_decode(
             problem.q,
             problem.kv_cache,
@@ -122,5 +141,6 @@ class TritonMLAImpl(MLADecodeImpl):
             softmax_scale=problem.softmax_scale,
             causal=problem.causal,
             kv_scale=problem.kv_scale,
-            num_kv_splits=self.num_kv_splits,
+            num_kv_splits=num_kv_splits if self.num_kv_splits is None else self.num_kv_splits,
+            config=config,
         )

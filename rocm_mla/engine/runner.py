@@ -14,9 +14,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rocm_mla.dcp import DecodeMetadata, slot_mapping
+from rocm_mla.dcp import DecodeMetadata, plan_step_decode, slot_mapping
 from rocm_mla.engine.cache import FreeList, blocks_for
 from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
+
+
+@dataclass(frozen=True)
+class DecodeAttention:
+    """The MLA kernel call a stage makes, as the runner needs it to plan each decode step.
+
+    ``num_heads`` is what the kernel sees: this TP rank's heads times the DCP size (the layer
+    gathers the DCP group's heads). ``q_dtype``/``kv_dtype`` are the query and cache dtypes
+    of that call; ``backend`` is the name the layers were built with (None: env / auto).
+    """
+
+    num_heads: int
+    head_dim_v: int
+    rope_dim: int
+    kv_dtype: torch.dtype
+    q_dtype: torch.dtype
+    backend: str | None = None
 
 
 @dataclass
@@ -50,6 +67,8 @@ class Runner:
         max_num_seqs: KDA state slots, i.e. requests in flight at once (``LLM(max_num_seqs=)``).
         dcp_size, dcp_rank, dcp_interleave: this rank's decode-context-parallel layout.
         device: where the metadata tensors live.
+        attention: the stage's MLA kernel call; when given, every uniform decode step carries
+            one ``rocm_mla.plan_decode`` plan that all MLA layers of the step share.
     """
 
     def __init__(
@@ -61,6 +80,7 @@ class Runner:
         dcp_rank: int = 0,
         dcp_interleave: int = 1,
         device: torch.device | str = "cpu",
+        attention: DecodeAttention | None = None,
     ) -> None:
         if block_size % dcp_interleave:
             raise ValueError(
@@ -72,6 +92,7 @@ class Runner:
         self.block_size = block_size
         self.dcp_size, self.dcp_rank, self.dcp_interleave = dcp_size, dcp_rank, dcp_interleave
         self.device = torch.device(device)
+        self.attention = attention
 
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size, self.dcp_size)
@@ -124,7 +145,10 @@ class Runner:
     def _step(
         self, requests: list[Request], num_new: list[int]
     ) -> tuple[ForwardMetadata, torch.Tensor]:
+        # Everything is computed on the host from the runner's own numbers and moved to the
+        # device once: building the step reads nothing back from the device.
         ids, positions, req_indices, starts = [], [], [], [0]
+        context = [req.num_cached for req in requests]
         for b, (req, n) in enumerate(zip(requests, num_new, strict=True)):
             ctx = req.num_cached
             ids += req.tokens[ctx : ctx + n]
@@ -136,32 +160,54 @@ class Runner:
         table = torch.zeros(len(requests), width, dtype=torch.int32)
         for b, req in enumerate(requests):
             table[b, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
-        dev = self.device
-        table = table.to(dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        seq_lens = torch.tensor([r.num_cached for r in requests], dtype=torch.int32, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        seq_lens = torch.tensor([r.num_cached for r in requests], dtype=torch.int32)
         slots = slot_mapping(
             pos,
-            torch.tensor(req_indices, dtype=torch.int64, device=dev),
+            torch.tensor(req_indices, dtype=torch.int64),
             table,
             self.block_size,
             self.dcp_size,
             self.dcp_rank,
             self.dcp_interleave,
         )
-        decoding = any(r.num_cached > n for r, n in zip(requests, num_new, strict=True))
+        decoding = any(c > 0 for c in context)
+        uniform = len(set(num_new)) == 1
+        plan = None
+        if decoding and uniform and self.attention is not None:
+            a = self.attention
+            plan = plan_step_decode(
+                seq_lens,
+                num_new[0],
+                num_heads=a.num_heads,
+                head_dim_v=a.head_dim_v,
+                rope_dim=a.rope_dim,
+                kv_dtype=a.kv_dtype,
+                q_dtype=a.q_dtype,
+                device=self.device,
+                backend=a.backend,
+                dcp_world_size=self.dcp_size,
+                dcp_rank=self.dcp_rank,
+                dcp_interleave=self.dcp_interleave,
+            )
+        dev = self.device
+        table, seq_lens = table.to(dev), seq_lens.to(dev)
         dcp = None
         if self.dcp_size > 1 and decoding:
             dcp = DecodeMetadata.build(
                 table, seq_lens, num_new[0], self.dcp_size, self.dcp_rank, self.dcp_interleave
             )
         meta = ForwardMetadata(
-            positions=pos,
+            positions=pos.to(dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=seq_lens,
-            slot_mapping=slots,
+            slot_mapping=slots.to(dev),
             block_tables=table,
             state_slots=torch.tensor([r.slot for r in requests], dtype=torch.int64, device=dev),
+            num_new=list(num_new),
+            context_lens=context,
+            write_rows=(slots >= 0).nonzero()[:, 0].to(dev),
             dcp=dcp,
+            decode_plan=plan,
         )
         return meta, torch.tensor(ids, dtype=torch.int64, device=dev)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from rocm_mla.distributed import ParallelState
 from rocm_mla.engine.cache import CacheFullError, resolve_cache_dtype
-from rocm_mla.engine.runner import Request, Runner
+from rocm_mla.engine.runner import DecodeAttention, Request, Runner
+from rocm_mla.inputs import FP8_DTYPES
 from rocm_mla.models.kimi_k3 import KimiK3ForCausalLM, StageIO, load_model
 from rocm_mla.models.kimi_k3.attn_res import closes_block
 
@@ -127,6 +128,18 @@ class StageWorker:
         device: torch.device | str = "cpu",
     ) -> None:
         self.model, self.options, self.comm = model, options, comm
+        kv_dtype = resolve_cache_dtype(options.kv_cache_dtype, _model_dtype(model))
+        config = model.config
+        # The MLA layers hand the kernel their absorbed queries in the cache's dtype (in the
+        # model's for an fp8 cache) over this rank's heads gathered across the DCP group.
+        attention = DecodeAttention(
+            num_heads=config.num_attention_heads // options.tp * options.dcp,
+            head_dim_v=config.kv_lora_rank,
+            rope_dim=config.qk_rope_head_dim,
+            kv_dtype=kv_dtype,
+            q_dtype=_model_dtype(model) if kv_dtype in FP8_DTYPES else kv_dtype,
+            backend=options.backend,
+        )
         self.runner = Runner(
             options.num_blocks,
             options.block_size,
@@ -135,8 +148,8 @@ class StageWorker:
             dcp_rank,
             options.dcp_interleave,
             device,
+            attention,
         )
-        kv_dtype = resolve_cache_dtype(options.kv_cache_dtype, _model_dtype(model))
         self.caches = model.make_caches(
             options.num_blocks,
             options.block_size,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from rocm_mla.dcp import DecodeMetadata
+from rocm_mla.inputs import DecodePlan
 
 
 @dataclass
@@ -29,6 +30,13 @@ class ForwardMetadata:
         dcp: with decode context parallelism, the runner's ``DecodeMetadata`` for this rank
             (``DecodeMetadata.build``: rank-local lengths of every query row); None without
             DCP. ``slot_mapping`` is then rank-local too: -1 for tokens another rank owns.
+        num_new: new tokens per request, on the host (the same as ``query_start_loc``'s
+            steps; the layers branch on it without reading a device tensor).
+        context_lens: tokens each request had in its caches before this step, on the host.
+        write_rows: ``[W]`` int64, the rows of ``T`` whose latent this rank writes (all of
+            them without DCP), so the cache write needs no boolean mask (a host sync).
+        decode_plan: the step's ``rocm_mla.plan_decode`` for the MLA decode, shared by every
+            MLA layer; None when the step is not a uniform decode (each layer then plans).
     """
 
     positions: torch.Tensor
@@ -37,17 +45,19 @@ class ForwardMetadata:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     state_slots: torch.Tensor
+    num_new: list[int]
+    context_lens: list[int]
+    write_rows: torch.Tensor
     dcp: DecodeMetadata | None = None
+    decode_plan: DecodePlan | None = None
 
     @property
-    def num_new(self) -> list[int]:
-        """New tokens per request."""
-        return self.query_start_loc.diff().tolist()
-
-    @property
-    def context_lens(self) -> list[int]:
-        """Tokens each request had in its caches before this step."""
-        return [s - n for s, n in zip(self.seq_lens.tolist(), self.num_new, strict=True)]
+    def query_starts(self) -> list[int]:
+        """``query_start_loc`` on the host: request ``b``'s rows are ``[s[b], s[b + 1])``."""
+        starts = [0]
+        for n in self.num_new:
+            starts.append(starts[-1] + n)
+        return starts
 
     @classmethod
     def contiguous(
@@ -86,4 +96,7 @@ class ForwardMetadata:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_tables=table.to(device),
             state_slots=torch.arange(batch, dtype=torch.int64, device=device),
+            num_new=list(num_new),
+            context_lens=list(context_lens),
+            write_rows=torch.arange(len(slots), dtype=torch.int64, device=device),
         )

@@ -24,7 +24,7 @@ from torch import nn
 
 from rocm_mla.api import mla_decode
 from rocm_mla.dcp import RUNNER_CONTRACT, DecodeMetadata, dcp_mla_decode
-from rocm_mla.inputs import FP8_DTYPES
+from rocm_mla.inputs import FP8_DTYPES, DecodePlan
 from rocm_mla.models.kimi_k3.config import KimiK3Config
 from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
 from rocm_mla.models.kimi_k3.ops import AllReduce, RMSNorm, apply_rope, identity_reduce
@@ -115,11 +115,13 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.dv], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None, :].expand(n, self.num_heads, self.rope)], dim=-1)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n, .]
-        if n <= PREFILL_QUERY_CHUNK:
+        if n <= PREFILL_QUERY_CHUNK or q.device.type != "cpu":
+            # On a GPU one causal call runs a fused (flash / memory-efficient) kernel that never
+            # materializes the scores; chunking with explicit masks would force the math path.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             return out.transpose(0, 1)
-        # Long prompts go in query chunks, each over the keys it can see: the CPU SDPA
-        # for these head dims materializes the [H, n, n] scores, 8.6 GB at n = 16K.
+        # Long prompts on the CPU go in query chunks, each over the keys it can see: the CPU
+        # SDPA for these head dims materializes the [H, n, n] scores, 8.6 GB at n = 16K.
         out = q.new_empty(self.num_heads, n, self.dv)
         for i0 in range(0, n, PREFILL_QUERY_CHUNK):
             i1 = min(n, i0 + PREFILL_QUERY_CHUNK)
@@ -138,11 +140,13 @@ class MultiHeadLatentAttention(nn.Module):
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         dcp: DecodeMetadata | None = None,
+        plan: DecodePlan | None = None,
     ) -> torch.Tensor:
         """Absorbed form: ``q [B, S, H, qk]`` over the paged latent cache -> ``[B, S, H, dv]``.
 
         With a DCP group of more than one rank, ``dcp`` (the runner's metadata for this rank)
-        is required: the layer never derives rank-local lengths itself.
+        is required: the layer never derives rank-local lengths itself. ``plan``: the runner's
+        plan for this step's decode (None: each call plans for itself).
         """
         if self.w_uk_t is None or self.w_uv is None:
             raise RuntimeError(
@@ -169,6 +173,7 @@ class MultiHeadLatentAttention(nn.Module):
                 head_dim_v=self.kv_lora_rank,
                 softmax_scale=self.scale,
                 kv_scale=kv_scale,
+                plan=plan,
             )
         else:
             out, _ = mla_decode(
@@ -181,6 +186,7 @@ class MultiHeadLatentAttention(nn.Module):
                 causal=True,
                 backend=self.backend,
                 kv_scale=kv_scale,
+                plan=plan,
             )
         return torch.einsum("bshr,hrv->bshv", out.to(q.dtype), self.w_uv)
 
@@ -193,12 +199,15 @@ class MultiHeadLatentAttention(nn.Module):
         """
         q, latent, k_pe = self.project(x, meta.positions)
         rows = kv_cache.view(-1, kv_cache.shape[-1])
-        # Under DCP the runner maps tokens another rank owns to -1; this rank skips them.
-        owned = meta.slot_mapping >= 0
+        # Under DCP the runner maps tokens another rank owns to -1 and leaves them out of
+        # write_rows; gathering by index (not by a boolean mask) keeps the write sync-free.
+        write = meta.write_rows
         new_rows = torch.cat([latent, k_pe], dim=-1)
-        rows[meta.slot_mapping[owned]] = new_rows[owned].to(kv_cache.dtype)
+        rows[meta.slot_mapping.index_select(0, write)] = new_rows.index_select(0, write).to(
+            rows.dtype
+        )
         num_new, context = meta.num_new, meta.context_lens
-        starts = meta.query_start_loc.tolist()
+        starts = meta.query_starts
         if all(c == 0 for c in context):
             out = torch.cat(
                 [
@@ -214,6 +223,7 @@ class MultiHeadLatentAttention(nn.Module):
                 meta.block_tables,
                 meta.seq_lens,
                 meta.dcp,
+                meta.decode_plan,
             ).flatten(0, 1)
         elif self.dcp_size > 1:
             raise ValueError(

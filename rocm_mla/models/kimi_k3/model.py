@@ -128,7 +128,7 @@ class DecoderLayer(nn.Module):
             out, conv, rec = self.self_attn(x.view(len(num_new), num_new[0], -1), conv, rec)
             out = out.flatten(0, 1)
         else:
-            starts = meta.query_start_loc.tolist()
+            starts = meta.query_starts
             parts, convs, recs = [], [], []
             for b, (s, e) in enumerate(itertools.pairwise(starts)):
                 o, c, r = self.self_attn(x[s:e][None], conv[b : b + 1], rec[b : b + 1])
