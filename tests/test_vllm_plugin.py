@@ -254,11 +254,13 @@ class _Layer:
     _k_scale_float = 1.0
 
 
-def _decode_metadata(block_table, seq_lens, *, num_heads=16, q_len=1):
-    """MLA metadata with the decode part our builder makes (vLLM's fields plus the plan)."""
+def _decode_metadata(block_table, seq_lens, *, num_heads=16, q_len=1, kv_dtype=torch.float32):
+    """MLA metadata with the decode part our builder makes: vLLM's fields plus the step's
+    ``rocm_mla.DecodePlan`` (planned from the host bound, as the builder does)."""
     from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 
-    from rocm_mla.integrations.vllm.backend import RocmMLADecodeMetadata, plan_step
+    import rocm_mla
+    from rocm_mla.integrations.vllm.backend import RocmMLADecodeMetadata
 
     batch = seq_lens.shape[0]
     max_seq_len = int(seq_lens.max())
@@ -277,12 +279,13 @@ def _decode_metadata(block_table, seq_lens, *, num_heads=16, q_len=1):
             block_table=block_table,
             seq_lens=seq_lens,
             dcp_tot_seq_lens=None,
-            plan=plan_step(
-                batch=batch,
+            plan=rocm_mla.plan_decode(
+                seq_lens,
                 q_len=q_len,
-                max_seq_len=max_seq_len,
                 num_heads=num_heads,
-                kv_dtype=torch.float32,
+                kv_dtype=kv_dtype,
+                q_dtype=torch.float32,
+                graph_max_seqlen=max_seq_len,
             ),
         ),
     )

