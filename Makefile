@@ -5,6 +5,7 @@
 #   make lint        ruff + hadolint (Dockerfile) + shellcheck (*.sh) + actionlint (workflows)
 #   make bench       CPU decode + kernel roofline benchmarks (JSON + PNG under benchmarks/results/)
 #   make bench-dcp   DCP 2 vs DCP 1 decode step speedup (two processes)
+#   make bench-gpu   one GPU: call overhead, graph replay, engine vs transformers (JSON + PNG)
 #
 # TORCH is the torch spec installed into a *new* venv. Where the system python already has
 # a GPU (ROCm/CUDA) torch, the venv sees it through --system-site-packages and nothing is
@@ -17,7 +18,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rocm-mla-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-vllm lint bench bench-dcp format clean
+.PHONY: demo test test-vllm lint bench bench-dcp bench-gpu format clean
 
 $(STAMP): pyproject.toml
 	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if (torch.version.hip or torch.version.cuda) else 1)" 2>/dev/null; then \
@@ -71,6 +72,12 @@ bench: $(STAMP)
 bench-dcp: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib
 	$(PY) -m benchmarks.dcp_scaling
+
+# One GPU: call overhead (kernel-only vs planned vs one-shot), graph replay vs eager, and the
+# engine vs transformers on the GPU (bf16, fp32, 16K prefill). Under 8 minutes.
+bench-gpu: $(STAMP)
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib
+	$(PY) -m benchmarks.gpu
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, environment, write_results
+from benchmarks.common import RESULTS_DIR, environment, synchronize, write_results
 
 TARGETS = {"total_ratio": 3.0, "decode_ratio": 1.5, "long_decode_ratio": 2.0}
 
@@ -99,14 +99,19 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def run_transformers(path: str, prompts: torch.Tensor, new_tokens: int) -> dict:
+def run_transformers(
+    path: str, prompts: torch.Tensor, new_tokens: int, device: str = "cpu", dtype: str = "float32"
+) -> dict:
     import transformers
 
-    model = transformers.KimiLinearForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.KimiLinearForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
+    prompts = prompts.to(device)
     stamps: list[float] = []
 
     class Clock(transformers.LogitsProcessor):
         def __call__(self, input_ids, scores):
+            synchronize()  # on a GPU the stamp must follow the work, not its launch
             stamps.append(time.perf_counter())
             return scores
 
@@ -134,13 +139,20 @@ def run_transformers(path: str, prompts: torch.Tensor, new_tokens: int) -> dict:
     }
 
 
-def run_engine(path: str, prompts: torch.Tensor, new_tokens: int) -> dict:
+def run_engine(
+    path: str,
+    prompts: torch.Tensor,
+    new_tokens: int,
+    device: str = "cpu",
+    dtype: str = "float32",
+    backend: str = "torch",
+) -> dict:
     from rocm_mla.engine import LLM
 
     ids = prompts.tolist()
     num_blocks = len(ids) * -(-(prompts.shape[1] + new_tokens) // 16)
-    with LLM(path, dtype="float32", backend="torch", num_blocks=num_blocks,
-             max_num_seqs=len(ids)) as llm:  # fmt: skip
+    with LLM(path, dtype=dtype, backend=backend, num_blocks=num_blocks,
+             max_num_seqs=len(ids), device=device) as llm:  # fmt: skip
         llm.generate([p[:8] for p in ids], 2)  # untimed warm-up (first-call allocations)
         # The first prefill at full size pays for page faults and allocator growth; timing
         # it would overstate prefill and leave a decode time of total - prefill near zero
@@ -176,16 +188,27 @@ def in_fresh_process(fn_name: str, *args) -> dict:
     return value
 
 
-def compare(path: str, batch: int, length: int, new_tokens: int, seed: int) -> dict:
+def compare(
+    path: str,
+    batch: int,
+    length: int,
+    new_tokens: int,
+    seed: int,
+    device: str = "cpu",
+    dtype: str = "float32",
+    backend: str = "torch",
+) -> dict:
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.randint(2, 32000, (batch, length), generator=gen)
-    ours = in_fresh_process("run_engine", path, prompts, new_tokens)
-    hf = in_fresh_process("run_transformers", path, prompts, new_tokens)
+    ours = in_fresh_process("run_engine", path, prompts, new_tokens, device, dtype, backend)
+    hf = in_fresh_process("run_transformers", path, prompts, new_tokens, device, dtype)
     same = sum(a == b for a, b in zip(ours.pop("tokens"), hf.pop("tokens"), strict=True))
     return {
         "batch": batch,
         "prompt_len": length,
         "new_tokens": new_tokens,
+        "device": device,
+        "dtype": dtype,
         "engine": ours,
         "transformers": hf,
         "identical_sequences": f"{same}/{batch}",

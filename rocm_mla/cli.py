@@ -111,6 +111,7 @@ def _tokenizer(model_dir: str):
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
+        device=args.device,
         pp=args.pp,
         tp=args.tp,
         dcp=args.dcp,
@@ -121,21 +122,43 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
+def _check_model_dir(model: str) -> None:
+    """Raise ``ValueError`` naming ``--model`` unless it is a directory with a valid config."""
+    from rocm_mla.models.kimi_k3 import KimiK3Config
+
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"--model: {model} is not a directory (expected a checkpoint directory)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model: {model} has no config.json (is it a checkpoint directory?)")
+    try:
+        KimiK3Config.from_pretrained(path)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--model: {path / 'config.json'}: {err}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from rocm_mla.engine import LLM
 
     prompts = [_parse_ids(p) for p in args.prompt_ids]
+    _check_model_dir(args.model)
     start = time.perf_counter()
     llm = LLM(
         args.model,
         **_engine_kwargs(args),
         num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
         launcher="torchrun" if args.torchrun else "spawn",
     )
     with llm:
         loaded = time.perf_counter()
         outputs = llm.generate(
-            prompts, args.max_new_tokens, args.temperature, eos_token_id=args.eos_token_id
+            prompts,
+            args.max_new_tokens,
+            args.temperature,
+            eos_token_id=args.eos_token_id,
+            show_progress=True,
         )
         elapsed = time.perf_counter() - loaded
     if args.torchrun and int(os.environ.get("RANK", "0")) != 0:
@@ -172,9 +195,13 @@ def _run_demo_engine(path: str, max_new: int, **kwargs) -> tuple[list[list[int]]
 def cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
+    from rocm_mla.engine.llm import placement
     from rocm_mla.models.kimi_k3 import make_tiny
 
-    kwargs = _engine_kwargs(args)
+    # Both runs on the same device, so "identical" compares the split, not two devices'
+    # rounding; with fewer GPUs than ranks that device is the CPU (placement says so).
+    _, device = placement(args.pp * args.tp, args.device)
+    kwargs = {**_engine_kwargs(args), "device": device}
     layout = f"pp={args.pp}, tp={args.tp}, dcp={args.dcp} (interleave {args.dcp_interleave})"
     with tempfile.TemporaryDirectory(prefix="rocm-mla-demo-") as tmp:
         path = str(make_tiny("kimi_k3", Path(tmp) / "kimi_k3-tiny"))
@@ -209,7 +236,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from rocm_mla.models.kimi_k3 import make_tiny
 
-    print(make_tiny(args.arch, args.out, seed=args.seed))
+    print(make_tiny(args.arch, args.out, seed=args.seed, experts=args.experts))
     return 0
 
 
@@ -218,6 +245,7 @@ BENCHMARKS = {
     "kernel": "benchmarks.kernel_roofline",
     "dcp": "benchmarks.dcp_scaling",
     "e2e": "benchmarks.e2e",
+    "gpu": "benchmarks.gpu",
 }
 
 
@@ -245,6 +273,11 @@ def _engine_args(p: argparse.ArgumentParser, pp: int, tp: int, dcp: int) -> None
     p.add_argument("--backend", default=None, help="auto|aiter|triton|torch (default: env/auto)")
     p.add_argument("--dtype", default=None, help="float32|float16|bfloat16 (default: checkpoint)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cpu|cuda (default: cuda with a GPU per rank, else cpu with a notice)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--eos-token-id", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per layer per rank")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests in flight at once")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA/HIP graph capture of decode steps"
+    )
     p.add_argument("--torchrun", action="store_true", help="this is one rank of a torchrun launch")
     _engine_args(p, pp=1, tp=1, dcp=1)
     p.set_defaults(func=cmd_generate)
@@ -282,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=["kimi_k3", "kimi_linear"], required=True)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--experts",
+        choices=["plain", "mxfp4"],
+        default="plain",
+        help="routed-expert weights: plain, or compressed-tensors MXFP4 (packed e2m1 + e8m0)",
+    )
     p.set_defaults(func=cmd_make_tiny)
 
     p = sub.add_parser("bench", help="run a benchmark (JSON + PNG under benchmarks/results)")
@@ -291,13 +334,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: ``LLM`` argument -> the flag that sets it, so that errors name what the user typed.
+_FLAGS = {
+    "model": "--model",
+    "pp": "--pp",
+    "tp": "--tp",
+    "dcp": "--dcp",
+    "dcp_interleave": "--dcp-interleave",
+    "backend": "--backend",
+    "dtype": "--dtype",
+    "device": "--device",
+    "block_size": "--block-size",
+    "num_blocks": "--num-blocks",
+    "max_num_seqs": "--max-num-seqs",
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "eos_token_id": "--eos-token-id",
+    "prompt_token_ids": "--prompt-ids",
+}
+
+
+def _one_line(message: str) -> str:
+    """An error message as one line, its leading ``LLM`` argument replaced by the flag."""
+    text = " ".join(line.strip() for line in message.splitlines() if line.strip())
+    head, sep, rest = text.partition(":")
+    name = head.split("[")[0]
+    if sep and name in _FLAGS:
+        return f"{_FLAGS[name]}{head[len(name) :]}:{rest}"
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
+    from rocm_mla.distributed import WorkerError
+    from rocm_mla.engine.cache import CacheFullError
+
     args = build_parser().parse_args(argv)
+    prog = f"rocm-mla {args.command}"
     try:
         return args.func(args)
-    except ValueError as exc:
-        print(f"rocm-mla {args.command}: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (workers stopped)", file=sys.stderr)
+        return 130
+    except CacheFullError as exc:
+        flag = _FLAGS.get(exc.knob, exc.knob)
+        print(f"{prog}: {exc.detail}; raise {flag} to at least {exc.minimum}", file=sys.stderr)
+    except WorkerError as exc:
+        print(f"{prog}: worker failed: {exc.summary}", file=sys.stderr)
+    except (ValueError, TypeError) as exc:
+        print(f"{prog}: {_one_line(str(exc))}", file=sys.stderr)
+    except OSError as exc:
+        flag = {"make-tiny": "--out", "generate": "--model"}.get(args.command)
+        what = f"{flag}: " if flag else ""
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"{prog}: {what}{where}{exc.strerror or exc}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ Multi-node, with ``torchrun`` (it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
 
 Faults never hang: ``launch`` reports the first rank that raised or died (naming it, with
 its traceback) and terminates the others; collectives time out after ``timeout_s``.
+
+Rendezvous: ``init_parallel`` on ``env://`` hosts rank 0's TCP store on ``$MASTER_ADDR``
+only (``launch`` and ``LLM`` use 127.0.0.1), never on every interface; torchrun's own agent
+store is left as torchrun made it.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +51,7 @@ __all__ = [
     "ParallelLayout",
     "ParallelState",
     "WorkerError",
+    "backend_for",
     "default_backend",
     "destroy_parallel",
     "free_port",
@@ -160,6 +165,78 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def backend_for(nprocs: int, backend: str | None = None, *, who: str = "launch") -> str:
+    """The process-group backend for ``nprocs`` local ranks, one GPU each on nccl.
+
+    ``backend=None``: nccl when torch sees at least ``nprocs`` GPUs; with fewer (but some)
+    GPUs the ranks run on CPU over gloo and one line on stderr says so. An explicit
+    ``"nccl"`` with too few GPUs raises, naming the fix.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend is None:
+        if gpus and nprocs > gpus:
+            print(
+                f"rocm-mla {who}: {nprocs} ranks but torch sees {gpus} GPU(s): running them "
+                "on CPU with gloo (use at most one rank per GPU to run on the GPUs)",
+                file=sys.stderr,
+            )
+            return "gloo"
+        return "nccl" if gpus else "gloo"
+    if backend == "nccl" and nprocs > gpus:
+        raise ValueError(
+            f"{who}: {nprocs} processes on nccl need {nprocs} GPUs, torch sees {gpus}; use "
+            "backend='gloo' (CPU) or at most one rank per GPU"
+        )
+    return backend
+
+
+def pin_gloo_to_loopback(env: MutableMapping[str, str]) -> None:
+    """Single node: gloo's pair sockets on the loopback interface, not the host's address."""
+    if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _bound_store(addr: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A TCP store server listening on ``addr:port`` only (torch's own listens everywhere)."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(max(128, world_size))
+    except OSError as err:
+        sock.close()
+        raise OSError(
+            f"rendezvous: cannot listen on MASTER_ADDR:MASTER_PORT = {addr}:{port} ({err})"
+        ) from err
+    # The store takes over the descriptor; detached so Python never closes it under it.
+    return dist.TCPStore(
+        addr,
+        port,
+        world_size,
+        True,
+        datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
+
+
+def _env_store(rank: int, world_size: int, timeout_s: float) -> dist.TCPStore | None:
+    """The ``env://`` store, bound to ``$MASTER_ADDR``; None under torchrun's agent store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    addr = os.environ.get("MASTER_ADDR")
+    port = _env_int("MASTER_PORT")
+    if addr is None or port is None:
+        raise ValueError(
+            "init_parallel: env:// needs MASTER_ADDR and MASTER_PORT (the address and port "
+            "rank 0 listens on); torchrun and rocm_mla.distributed.launch set them"
+        )
+    if rank == 0:
+        return _bound_store(addr, port, world_size, timeout_s)
+    return dist.TCPStore(addr, port, world_size, False, datetime.timedelta(seconds=timeout_s))
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     if value is None:
@@ -180,11 +257,14 @@ def init_parallel(
     init_method: str | None = None,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    store: dist.Store | None = None,
 ) -> ParallelState:
     """Initialise ``torch.distributed`` and create the TP, PP and DCP groups.
 
     ``rank``/``world_size`` default to ``$RANK``/``$WORLD_SIZE`` (``torchrun``), and
-    ``init_method`` to ``env://`` (``$MASTER_ADDR``/``$MASTER_PORT``). On nccl the device is
+    ``init_method`` to ``env://`` (``$MASTER_ADDR``/``$MASTER_PORT``; rank 0 listens on
+    ``$MASTER_ADDR`` only, so name an address the other nodes reach). ``store``: an existing
+    rendezvous store instead (``LLM`` hosts one on 127.0.0.1). On nccl the device is
     ``cuda:$LOCAL_RANK``. Every rank must call this with the same layout.
     """
     rank = _env_int("RANK") if rank is None else rank
@@ -211,13 +291,21 @@ def init_parallel(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(
-        backend,
-        init_method=init_method or "env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None and init_method in (None, "env://"):
+        store = _env_store(rank, world_size, timeout_s)
+    if store is not None:
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+    else:
+        dist.init_process_group(
+            backend,
+            init_method=init_method or "env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
     # Every rank creates every group, in the same order (torch.distributed requires it).
     tp_group, _ = dist.new_subgroups_by_enumeration(layout.tp_groups())
     pp_group, _ = dist.new_subgroups_by_enumeration(layout.pp_groups())
@@ -235,11 +323,18 @@ def destroy_parallel() -> None:
 
 
 class WorkerError(RuntimeError):
-    """A launched rank raised or died; ``rank`` names it, the message carries its traceback."""
+    """A launched rank raised, died or stalled; ``rank`` names it, the message carries its
+    traceback (or the tail of its stderr) and ``summary`` says it in one line."""
 
-    def __init__(self, rank: int, message: str) -> None:
+    def __init__(self, rank: int, message: str, summary: str | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+        self.summary = summary or _last_line(message)
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else text
 
 
 def free_port() -> int:
@@ -274,6 +369,10 @@ def _worker(
     results: Any,
 ) -> None:
     _die_with_parent(parent_pid)
+    # A terminal's Ctrl-C reaches every process of its group: the launcher alone handles it
+    # (and terminates the ranks), so N tracebacks are not printed over each other.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pin_gloo_to_loopback(os.environ)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(nprocs),
@@ -331,6 +430,8 @@ def launch(
     and its return value picklable.
 
     Args:
+        backend: ``"gloo"`` or ``"nccl"``; None: nccl when torch sees a GPU per rank, else
+            gloo on CPU (with a one-line notice when there are GPUs, just too few).
         torch_threads: torch intra-op threads per process; default on CPU
             ``max(1, cpu_count // nprocs)`` so the ranks do not oversubscribe the cores.
         timeout_s: wall-clock limit for the whole run and for each collective.
@@ -341,12 +442,7 @@ def launch(
         TimeoutError: not every rank finished within ``timeout_s``; all are terminated.
     """
     layout = ParallelLayout.for_world(nprocs, pp, tp, dcp)
-    backend = default_backend() if backend is None else backend
-    if backend == "nccl" and nprocs > torch.cuda.device_count():
-        raise ValueError(
-            f"launch: {nprocs} processes on nccl need {nprocs} GPUs, "
-            f"torch sees {torch.cuda.device_count()}"
-        )
+    backend = backend_for(nprocs, backend)
     if torch_threads is None and backend == "gloo":
         torch_threads = max(1, (os.cpu_count() or 1) // nprocs)
     ctx = mp.get_context("spawn")

@@ -88,11 +88,11 @@ def test_kda_recurrence_matches_the_delta_rule_equations():
         torch.testing.assert_close(state[0, h].double(), s)
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 32])
-def test_kda_chunked_equals_recurrence_with_carried_state(chunk):
+@pytest.mark.parametrize(("chunk", "group"), [(1, 64), (1, 3), (4, 1), (4, 2), (32, 64)])
+def test_kda_chunked_equals_recurrence_with_carried_state(chunk, group):
     q, k, v, g, beta, s0 = _kda_inputs()
     ref, ref_state = kda_recurrent(q, k, v, g, beta, s0)
-    out, state = kda_chunked(q, k, v, g, beta, s0, chunk_size=chunk)
+    out, state = kda_chunked(q, k, v, g, beta, s0, chunk_size=chunk, chunks_per_group=group)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=1e-5)
     # Two calls carrying the state equal one call.
@@ -208,7 +208,9 @@ def test_mla_output_gate_and_q_lora():
     meta = ForwardMetadata.contiguous([0], [5], 8, 1)
     cache = torch.zeros(1, 8, cfg.kv_cache_dim)
     q, _, _ = layer.project(x, meta.positions)
-    q_ref = layer.q_b_proj(rms_norm(layer.q_a_proj(x), layer.q_a_layernorm.weight, 1e-6))
+    # K3 reads the checkpoint's rms_norm_eps for the latent norms.
+    eps = cfg.rms_norm_eps
+    q_ref = layer.q_b_proj(rms_norm(layer.q_a_proj(x), layer.q_a_layernorm.weight, eps))
     torch.testing.assert_close(q.flatten(1), q_ref)
     ungated = dataclasses.replace(cfg, mla_use_output_gate=False)
     plain = MultiHeadLatentAttention(ungated)

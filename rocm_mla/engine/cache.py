@@ -19,11 +19,25 @@ from rocm_mla.inputs import FP8_DTYPES
 
 
 class CacheFullError(RuntimeError):
-    """The cache cannot hold what was asked of it; the message says by how much and the fix."""
+    """The cache cannot hold what was asked of it; the message says by how much and the fix.
+
+    ``detail`` is what did not fit, ``knob`` the ``LLM`` argument that raises the limit and
+    ``minimum`` the value it needs (the CLI names its own flag from them).
+    """
+
+    def __init__(self, detail: str, knob: str, minimum: int) -> None:
+        super().__init__(f"{detail}; raise LLM({knob}=...) to at least {minimum}")
+        self.detail, self.knob, self.minimum = detail, knob, minimum
+
+    def __reduce__(self):
+        return (type(self), (self.detail, self.knob, self.minimum))
 
 
 class FreeList:
     """Integer ids ``[0, capacity)`` handed out lowest-first and returned on free.
+
+    Memory is proportional to the ids in use, never to ``capacity``: ids at or above the
+    high-water mark have never been handed out, and only returned ids are kept in a stack.
 
     Args:
         capacity: how many ids exist.
@@ -37,32 +51,39 @@ class FreeList:
         self.capacity = capacity
         self.what = what
         self.knob = knob
-        # Popped from the end: reversed so that low ids go first (readable tables in tests).
-        self._free = list(range(capacity - 1, -1, -1))
+        self._high_water = 0
+        # Popped from the end, so the most recently freed id is reused first.
+        self._returned: list[int] = []
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self.capacity - self._high_water + len(self._returned)
 
     def check_fits(self, needed: int, context: str) -> None:
         """Raise ``CacheFullError`` unless ``needed`` ids can be allocated right now."""
-        if needed > len(self._free):
+        free = self.num_free
+        if needed > free:
             raise CacheFullError(
-                f"{context} needs {needed} {self.what} but only {len(self._free)} of the "
-                f"{self.capacity} that exist are free; raise LLM({self.knob}=...) to at least "
-                f"{self.capacity - len(self._free) + needed}"
+                f"{context} needs {needed} {self.what} but only {free} of the "
+                f"{self.capacity} that exist are free",
+                self.knob,
+                self.capacity - free + needed,
             )
 
     def allocate(self, n: int, context: str) -> list[int]:
         """``n`` ids, or ``CacheFullError`` (nothing is taken then)."""
         self.check_fits(n, context)
-        taken = self._free[len(self._free) - n :][::-1]
-        del self._free[len(self._free) - n :]
+        reused = min(n, len(self._returned))
+        taken = self._returned[len(self._returned) - reused :][::-1]
+        del self._returned[len(self._returned) - reused :]
+        fresh = n - reused
+        taken += range(self._high_water, self._high_water + fresh)
+        self._high_water += fresh
         return taken
 
     def free(self, ids: list[int]) -> None:
         """Return ids to the pool (the most recently freed are reused first)."""
-        self._free.extend(reversed(ids))
+        self._returned.extend(reversed(ids))
 
 
 def blocks_for(num_tokens: int, block_size: int, dcp_size: int) -> int:

@@ -1,10 +1,23 @@
 """``rocm_mla.LLM``: generate and score with a Kimi-K3 / Kimi-Linear checkpoint over PP x TP x DCP.
 
 ``pp * tp == 1`` runs in this process. Otherwise ``LLM`` starts ``pp * tp`` long-lived
-worker processes (spawned, gloo on CPU, nccl/RCCL on GPU) through
-``rocm_mla.distributed.launch``, sends each call to all of them over per-rank queues and
-gets the result back from the sampler rank; workers are never re-spawned per call. A worker
-that raises makes the call raise ``WorkerError`` naming the rank; the others are terminated.
+worker processes as ``python -m rocm_mla.engine.worker`` (fresh interpreters that never
+import the caller's ``__main__``: scripts without a main guard, stdin, the REPL and notebooks
+all work). They join a process group through a rendezvous store this process hosts on
+127.0.0.1, and take each call over an authenticated loopback connection; workers are never
+re-spawned per call.
+
+Faults end in bounded time: a worker that raises or dies makes the call raise ``WorkerError``
+naming the rank (its traceback, or the tail of its stderr); a rank that stops sending
+heartbeats, or a call that exceeds ``call_timeout_s``, does too. Ctrl-C (SIGINT to this
+process) stops the workers and raises one ``KeyboardInterrupt``. After any of these the
+engine is closed. An engine that is never closed stops its workers when it is garbage
+collected or the interpreter exits.
+
+Devices: with ``device=None`` the workers get one GPU each when torch sees at least
+``pp * tp`` GPUs; with fewer they run on CPU over gloo, after a one-line notice on stderr.
+``device="cuda"`` insists on the GPUs (and is refused when there are too few),
+``device="cpu"`` runs on CPU everywhere.
 
 Multi-node, or to own the processes yourself: start every rank with ``torchrun`` and build
 the engine with ``launcher="torchrun"`` in each; every rank then calls ``generate``/``score``
@@ -17,33 +30,67 @@ with the same arguments and gets the same result::
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import hmac
+import operator
 import os
 import pickle
-import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
-from collections.abc import Collection
+import time
+import weakref
+from collections.abc import Callable, Collection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+import torch.distributed as dist
 
+import rocm_mla
 from rocm_mla.backends import requested_backend
 from rocm_mla.distributed import (
     ParallelLayout,
-    default_backend,
+    WorkerError,
+    backend_for,
     destroy_parallel,
     init_parallel,
-    launch,
+    pin_gloo_to_loopback,
 )
 from rocm_mla.engine.cache import CacheFullError, resolve_cache_dtype
-from rocm_mla.engine.worker import EngineOptions, StageWorker, serve
+from rocm_mla.engine.worker import HEARTBEAT_S, EngineOptions, StageWorker, WorkerSpec
 from rocm_mla.models.kimi_k3 import KimiK3Config
+from rocm_mla.models.kimi_k3.limits import check_memory
 
-#: Collective timeout of the workers (a whole engine lifetime can be long; faults are
-#: reported by the launcher as soon as a rank raises or dies, not by this timeout).
+#: Collective timeout inside the workers (an engine's lifetime can be long; faults are
+#: caught by this process through deaths, errors, heartbeats and the call timeout).
 WORKER_TIMEOUT_S = 24 * 3600.0
+#: Default limit of one generate/score call, in seconds.
+DEFAULT_CALL_TIMEOUT_S = 3600.0
+#: Limit of the workers' start (import, rendezvous, loading the shards), in seconds; a
+#: worker that dies, or stops sending heartbeats once connected, fails the start sooner.
+START_TIMEOUT_S = 3600.0
+#: A busy rank silent this long is reported as stalled (stopped, or stuck holding the GIL);
+#: longer while loading, where one huge tensor read may hold the GIL for a while.
+HEARTBEAT_TIMEOUT_S = 60.0
+START_HEARTBEAT_TIMEOUT_S = 300.0
+#: Seconds idle workers get to exit on "stop" before they are terminated, then killed.
+STOP_GRACE_S = 5.0
+#: Seconds between the progress lines of ``generate(show_progress=True)``.
+PROGRESS_PRINT_S = 2.0
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+    return value
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -56,8 +103,394 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, a torch dtype or None")
+        raise ValueError(
+            f"dtype: expected one of {sorted(_DTYPES)}, a torch dtype or None, got {dtype!r}"
+        )
     return _DTYPES[dtype]
+
+
+def _token_id(value: object, where: str) -> int:
+    """``value`` as a token id: a Python int, or a numpy/torch integer scalar; never a bool,
+    float or string (those would be silently coerced to some other token)."""
+    is_bool = isinstance(value, bool) or getattr(value, "dtype", None) in (torch.bool, "bool")
+    if not is_bool and not isinstance(value, (float, str, bytes)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{where}: expected an int token id, got {value!r} ({type(value).__name__})")
+
+
+def placement(world: int, device: str | torch.device | None) -> tuple[str, str]:
+    """``(process-group backend, device type)`` of ``world`` worker processes.
+
+    See the module docstring; raises ``ValueError`` naming ``device`` and the fix.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device is None:
+        backend = backend_for(world, who="LLM")
+        return backend, "cuda" if backend == "nccl" else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected 'cpu', 'cuda' or None, got {device!r}") from None
+    if dev.type == "cpu":
+        return "gloo", "cpu"
+    if dev.type != "cuda":
+        raise ValueError(f"device: expected 'cpu', 'cuda' or None, got {device!r}")
+    if dev.index is not None:
+        raise ValueError(
+            f"device: {device!r} names one GPU, but pp * tp = {world} worker processes take "
+            "one GPU each (rank r on GPU r): pass 'cuda', or choose the GPUs with "
+            "CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES"
+        )
+    if world > gpus:
+        raise ValueError(
+            f"device: 'cuda' needs one GPU per rank, pp * tp = {world} ranks but torch sees "
+            f"{gpus} GPU(s); use fewer ranks, or device='cpu' (gloo)"
+        )
+    return "nccl", "cuda"
+
+
+class _ProgressLine:
+    """Throttled ``generate`` progress on stderr: nothing for calls shorter than
+    ``PROGRESS_PRINT_S``, then one line per ``PROGRESS_PRINT_S``."""
+
+    def __init__(self, num_prompts: int) -> None:
+        self.num_prompts = num_prompts
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, step: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_PRINT_S:
+            return
+        self.last = now
+        elapsed = now - self.start
+        print(
+            f"rocm-mla: {step}/{total} new tokens for {self.num_prompts} prompt(s) after "
+            f"{elapsed:.0f} s ({step / elapsed:.1f} steps/s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _stderr_tail(log, limit: int = 2000) -> str:
+    log.flush()
+    log.seek(0, os.SEEK_END)
+    size = log.tell()
+    log.seek(max(0, size - limit))
+    text = log.read().decode(errors="replace").strip()
+    return text or "(nothing on its stderr)"
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WorkerGroup:
+    """The ``pp * tp`` worker processes of one ``LLM`` and the connections to them.
+
+    Holds no reference to the ``LLM``, so a finalizer can stop it when the engine is
+    collected or the interpreter exits.
+    """
+
+    def __init__(
+        self, path: str, options: EngineOptions, backend: str, call_timeout_s: float
+    ) -> None:
+        self.world = options.pp * options.tp
+        self.sampler = (options.pp - 1) * options.tp
+        self.call_timeout_s = call_timeout_s
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list = []
+        self.conns: dict[int, Connection] = {}
+        self.pids: list[int] = []
+        self._call_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._stopped = False
+        self._ready = False
+        self._handles_closed = False
+        self._store = None
+        server = socket.create_server(("127.0.0.1", 0))
+        try:
+            self._start(path, options, backend, server)
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            server.close()
+
+    # ---- start --------------------------------------------------------------------------
+
+    def _start(self, path: str, options: EngineOptions, backend: str, server) -> None:
+        store_sock = socket.create_server(("127.0.0.1", 0), backlog=max(128, self.world))
+        store_port = store_sock.getsockname()[1]
+        # Hosted here, bound to loopback only: torch's own store server listens everywhere.
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            store_port,
+            self.world,
+            True,
+            datetime.timedelta(seconds=WORKER_TIMEOUT_S),
+            wait_for_workers=False,
+            master_listen_fd=store_sock.detach(),
+        )
+        token = secrets.token_bytes(32)
+        env = dict(os.environ)
+        # The workers import this very package, wherever the caller found it.
+        root = str(Path(rocm_mla.__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        pin_gloo_to_loopback(env)
+        threads = None
+        if backend == "gloo":
+            env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: no GPU contexts behind the user's back
+            threads = max(1, (os.cpu_count() or 1) // self.world)
+        for rank in range(self.world):
+            spec = WorkerSpec(
+                rank=rank,
+                path=path,
+                options=options,
+                backend=backend,
+                control_port=server.getsockname()[1],
+                store_port=store_port,
+                token=token,
+                parent_pid=os.getpid(),
+                torch_threads=threads,
+                collective_timeout_s=WORKER_TIMEOUT_S,
+            )
+            # Closed in _close_handles: it outlives this function, read for error reports.
+            log = tempfile.TemporaryFile(prefix=f"rocm-mla-rank{rank}-")  # noqa: SIM115
+            self.logs.append(log)
+            env["LOCAL_RANK"] = str(rank)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rocm_mla.engine.worker"],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=log,
+                env=env,
+                # Its own session: a terminal's Ctrl-C reaches this process only, which
+                # then stops the workers itself.
+                start_new_session=True,
+            )
+            self.procs.append(proc)
+            try:
+                proc.stdin.write(pickle.dumps(spec))
+                proc.stdin.close()
+            except OSError:
+                pass  # it died at once; _accept reports how
+        self.pids = [proc.pid for proc in self.procs]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        self._accept(server, token, deadline)
+        self._gather("ready", deadline, heartbeat_timeout_s=START_HEARTBEAT_TIMEOUT_S)
+        self._ready = True
+
+    def _accept(self, server: socket.socket, token: bytes, deadline: float) -> None:
+        server.settimeout(0.2)
+        while len(self.conns) < self.world:
+            for rank, proc in enumerate(self.procs):
+                if rank not in self.conns and proc.poll() is not None:
+                    raise self._died(rank, "while starting")
+            if time.monotonic() > deadline:
+                rank = min(set(range(self.world)) - set(self.conns))
+                raise WorkerError(
+                    rank,
+                    f"rank {rank} of {self.world} did not connect within "
+                    f"{START_TIMEOUT_S:.0f} s; its output ends with:\n"
+                    f"{_stderr_tail(self.logs[rank])}",
+                )
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                continue
+            sock.setblocking(True)
+            conn = Connection(sock.detach())
+            # Authenticate on raw bytes before unpickling anything a stranger could send.
+            try:
+                ok = conn.poll(5.0) and hmac.compare_digest(conn.recv_bytes(64), token)
+                hello = conn.recv() if ok and conn.poll(5.0) else None
+            except (OSError, EOFError):
+                hello = None
+            if not (isinstance(hello, tuple) and len(hello) == 3 and hello[0] == "hello"):
+                conn.close()
+                continue
+            self.conns[hello[1]] = conn
+
+    def _died(self, rank: int, when: str) -> WorkerError:
+        proc = self.procs[rank]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=2.0)
+        how = _exit_text(proc.poll())
+        return WorkerError(
+            rank,
+            f"rank {rank} of {self.world} (pid {proc.pid}) {how} {when}, without "
+            f"reporting an error; its output ends with:\n{_stderr_tail(self.logs[rank])}",
+            summary=f"rank {rank} of {self.world} {how} {when}",
+        )
+
+    # ---- calls --------------------------------------------------------------------------
+
+    def _gather(
+        self,
+        kind: str,
+        deadline: float,
+        progress: Callable | None = None,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+    ) -> dict:
+        """Every rank's next ``kind`` message; ``WorkerError`` for the first rank that
+        raised, died or stalled."""
+        got: dict[int, tuple] = {}
+        errors: dict[int, tuple[float, str]] = {}
+        dead: list[int] = []
+        beat = dict.fromkeys(range(self.world), time.monotonic())
+        rank_of = {id(conn): rank for rank, conn in self.conns.items()}
+        while len(got) < self.world:
+            if self._stopped:
+                raise RuntimeError("LLM: the engine was closed while this call was running")
+            open_conns = [c for r, c in self.conns.items() if r not in dead]
+            for conn in wait(open_conns, timeout=0.2):
+                rank = rank_of[id(conn)]
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    dead.append(rank)
+                    continue
+                beat[rank] = time.monotonic()
+                if message[0] == "error":
+                    errors[rank] = (message[1], message[2])
+                elif message[0] == "progress":
+                    if progress is not None:
+                        progress(message[1], message[2])
+                elif message[0] == kind:
+                    got[rank] = message
+            if self._stopped:  # close() from another thread: the deaths are its doing
+                raise RuntimeError("LLM: the engine was closed while this call was running")
+            if errors or dead:
+                raise self._fault(errors, dead, "while starting" if kind == "ready" else "")
+            now = time.monotonic()
+            silent = {r: now - beat[r] for r in range(self.world) if r not in got}
+            stalled = [r for r, age in silent.items() if age > heartbeat_timeout_s]
+            if stalled or now > deadline:
+                rank = max(silent, key=silent.get)
+                age = silent[rank]
+                why = (
+                    f"sent no heartbeat for {age:.0f} s (stopped, e.g. by SIGSTOP, or stuck "
+                    "without releasing the GIL)"
+                    if age > 3 * HEARTBEAT_S
+                    else f"did not finish within call_timeout_s={self.call_timeout_s:g} s "
+                    "(raise it for longer calls)"
+                )
+                message = f"rank {rank} of {self.world} (pid {self.pids[rank]}) {why}"
+                raise WorkerError(rank, message + "; all workers were stopped", message)
+        return got
+
+    def _fault(
+        self, errors: dict[int, tuple[float, str]], dead: list[int], when: str
+    ) -> WorkerError:
+        # The rank that failed first is the cause; its peers fail after it (a broken
+        # collective), so let their reports arrive before choosing.
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            live = [c for r, c in self.conns.items() if r not in dead]
+            for conn in wait(live, timeout=0.1):
+                rank = next(r for r, c in self.conns.items() if c is conn)
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    dead.append(rank)
+                    continue
+                if message[0] == "error":
+                    errors[rank] = (message[1], message[2])
+        silent = [r for r in dead if r not in errors]
+        if silent:
+            # A rank that raises always reports first, so one that died silently is the cause.
+            return self._died(silent[0], when or "during a call")
+        rank = min(errors, key=lambda r: errors[r][0])
+        trace = errors[rank][1].rstrip()
+        others = sorted(set(errors) - {rank})
+        also = f"; ranks {others} also failed, after it" if others else ""
+        return WorkerError(
+            rank,
+            f"rank {rank} of {self.world} failed. Its error:\n{trace}\n"
+            f"The other ranks were stopped{also}.",
+            summary=f"rank {rank} of {self.world} failed: {trace.splitlines()[-1]}",
+        )
+
+    def call(self, op: str, args: tuple, progress: Callable | None = None):
+        """Run ``op(*args)`` on every rank; the sampler rank's value."""
+        with self._call_lock:
+            if self._stopped:
+                raise RuntimeError("LLM: this engine is closed (close() or a worker failure)")
+            try:
+                for conn in self.conns.values():
+                    # A dead worker cannot take it: _gather names that rank.
+                    with contextlib.suppress(OSError):
+                        conn.send((op, args))
+                replies = self._gather("done", time.monotonic() + self.call_timeout_s, progress)
+            except BaseException:
+                self.stop()
+                raise
+            finally:
+                if self._stopped:
+                    self._close_handles()
+        outcome = replies[self.sampler][1]
+        if outcome[0] == "rejected":
+            raise CacheFullError(*outcome[1:])
+        return pickle.loads(outcome[1])
+
+    def send_all(self, message: tuple) -> None:
+        for conn in self.conns.values():
+            conn.send(message)
+
+    # ---- stop ---------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop every worker: "stop" when idle, then SIGTERM, then SIGKILL; bounded, never
+        raises, idempotent."""
+        with self._state_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        idle = self._call_lock.acquire(blocking=False)
+        try:
+            if idle and self._ready:  # loading workers read no commands: no grace then
+                for conn in self.conns.values():
+                    with contextlib.suppress(OSError):
+                        conn.send(("stop", None))
+                self._wait_exit(STOP_GRACE_S)
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            self._wait_exit(3.0)
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()  # also ends a SIGSTOPped process
+            self._wait_exit(5.0)
+        finally:
+            if idle:
+                self._close_handles()
+                self._call_lock.release()
+
+    def _wait_exit(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _close_handles(self) -> None:
+        if self._handles_closed:
+            return
+        self._handles_closed = True
+        for conn in self.conns.values():
+            conn.close()
+        for log in self.logs:
+            log.close()
+        self._store = None
 
 
 class LLM:
@@ -72,15 +505,23 @@ class LLM:
             checkpoint's).
         block_size: tokens per physical KV-cache block (a multiple of ``dcp_interleave``).
         dcp_interleave: consecutive tokens per DCP rank before moving to the next.
-        device: in-process device (None: cuda when available, else cpu); workers use the
-            device their rank is given.
+        device: ``None``, ``"cpu"`` or ``"cuda"`` (one process: also ``"cuda:1"``). None:
+            cuda when torch sees a GPU for every rank, else cpu (multi-process layouts then
+            run on CPU over gloo, with a one-line notice). ``"cuda"`` with too few GPUs is
+            refused.
         num_blocks: physical KV blocks per MLA layer per rank; a request of ``L`` cached
             tokens takes ``cdiv(L, block_size * dcp)``.
         max_num_seqs: requests in flight at once (KDA state rows per layer).
         kv_cache_dtype: ``"auto"`` (model dtype) or ``"fp8"`` (where the backend reads it).
         seed: seed of the sampler (temperature > 0).
+        enforce_eager: never capture decode steps in CUDA/HIP graphs. By default a
+            single-process engine on a GPU captures each padded batch size once and replays
+            it (``rocm_mla.engine.graphs``); multi-process layouts and CPUs run eagerly.
         launcher: ``"spawn"`` (this process starts the workers) or ``"torchrun"`` (this is
             one of ``pp * tp`` processes started by torchrun).
+        call_timeout_s: limit of one ``generate``/``score`` call; a rank that exceeds it
+            (or sends no heartbeat for ``HEARTBEAT_TIMEOUT_S``) is named in a
+            ``WorkerError``.
     """
 
     def __init__(
@@ -99,10 +540,18 @@ class LLM:
         max_num_seqs: int = 16,
         kv_cache_dtype: str | torch.dtype | None = "auto",
         seed: int = 0,
+        enforce_eager: bool = False,
         launcher: str = "spawn",
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
         self._closed = True
+        self._group: WorkerGroup | None = None
+        self._local: StageWorker | None = None
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model: expected a checkpoint directory path, got {model!r}")
         self.path = str(Path(model))
+        if not Path(self.path).is_dir():
+            raise ValueError(f"model: {self.path} is not a directory")
         self.layout = ParallelLayout(pp=pp, tp=tp, dcp=dcp)
         self.config = KimiK3Config.from_pretrained(self.path)
         if pp > self.config.num_hidden_layers:
@@ -123,6 +572,10 @@ class LLM:
             )
         if launcher not in ("spawn", "torchrun"):
             raise ValueError(f"launcher: expected 'spawn' or 'torchrun', got {launcher!r}")
+        if isinstance(call_timeout_s, bool) or not (
+            isinstance(call_timeout_s, (int, float)) and call_timeout_s > 0
+        ):
+            raise ValueError(f"call_timeout_s: expected seconds > 0, got {call_timeout_s!r}")
         # Bad names are rejected here, not later inside a worker.
         resolve_cache_dtype(kv_cache_dtype, torch.float32)
         if backend is not None:
@@ -139,103 +592,104 @@ class LLM:
             max_num_seqs=max_num_seqs,
             kv_cache_dtype=kv_cache_dtype,
             seed=seed,
+            enforce_eager=_bool("enforce_eager", enforce_eager),
         )
-        self._local: StageWorker | None = None
-        self._thread: threading.Thread | None = None
-        self._launch_error: BaseException | None = None
         self.worker_pids: list[int] = []
+        self._launcher = launcher
         world = self.layout.world_size
         if launcher == "torchrun":
             state = init_parallel(pp, tp, dcp)
+            self._check_memory(state.device.type, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             self._local = StageWorker.load(self.path, self.options, state, state.device)
         elif world == 1:
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise ValueError(
+                    f"device: expected 'cpu', 'cuda' or None, got {device!r}"
+                ) from None
+            self._check_memory(device, 1)
             self._local = StageWorker.load(self.path, self.options, None, device)
         else:
-            self._start_workers(world)
-        self._launcher = launcher
+            backend, kind = placement(world, device)
+            self._check_memory(kind, world)
+            self._group = WorkerGroup(self.path, self.options, backend, float(call_timeout_s))
+            self.worker_pids = list(self._group.pids)
+            # Stops the workers when this engine is collected or the interpreter exits.
+            self._finalizer = weakref.finalize(self, self._group.stop)
         self._closed = False
 
-    # ---- worker processes -----------------------------------------------------------------
+    def _check_memory(self, device: str | torch.device, ranks: int) -> None:
+        """Parameters and caches of every rank against this host's (or a GPU's) free memory,
+        before anything is allocated."""
+        options = self.options
+        itemsize = options.dtype.itemsize if options.dtype is not None else None
+        kv_dtype = resolve_cache_dtype(options.kv_cache_dtype, options.dtype or torch.int8)
+        check_memory(
+            self.config,
+            device=device,
+            pp=options.pp,
+            tp=options.tp,
+            ranks_here=ranks,
+            param_itemsize=itemsize,
+            num_blocks=options.num_blocks,
+            block_size=options.block_size,
+            kv_itemsize=kv_dtype.itemsize,
+            max_num_seqs=options.max_num_seqs,
+        )
 
-    def _start_workers(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
-        self._inboxes = [ctx.Queue() for _ in range(world)]
-        self._replies = ctx.Queue()
+    # ---- calls ----------------------------------------------------------------------------
 
-        def run() -> None:
-            try:
-                launch(
-                    serve,
-                    world,
-                    args=(self.path, self.options, self._inboxes, self._replies),
-                    pp=self.layout.pp,
-                    tp=self.layout.tp,
-                    dcp=self.layout.dcp,
-                    backend=default_backend(),
-                    timeout_s=WORKER_TIMEOUT_S,
-                )
-            except BaseException as exc:  # handed to the caller's thread by _reply
-                self._launch_error = exc
-
-        self._thread = threading.Thread(target=run, name="rocm-mla-workers", daemon=True)
-        self._thread.start()
-        ready: dict[int, int] = {}
-        while len(ready) < world:
-            kind, rank, payload = self._reply_message()
-            if kind != "ready":
-                raise RuntimeError(f"LLM: expected 'ready' from the workers, got {kind!r}")
-            ready[rank] = payload
-        self.worker_pids = [ready[r] for r in range(world)]
-
-    def _reply_message(self) -> tuple:
-        """The next message from the workers; raises the launcher's error if they died."""
-        while True:
-            try:
-                return self._replies.get(timeout=0.2)
-            except queue.Empty:
-                if self._thread is not None and not self._thread.is_alive():
-                    self._closed = True
-                    error = self._launch_error or RuntimeError(
-                        "LLM: the worker processes exited without a reply"
-                    )
-                    raise error from None
-
-    def _call(self, op: str, *args):
+    def _call(self, op: str, *args, progress: Callable[[int, int], None] | None = None):
         if self._closed:
             raise RuntimeError("LLM: this engine is closed (close() or a worker failure)")
-        if self._local is not None:
-            value = getattr(self._local, op)(*args)
-            if self._launcher == "torchrun" and op == "score":
-                value = self._local.comm.share_object(value)
-            return value
-        for inbox in self._inboxes:
-            inbox.put((op, args))
-        kind, _, payload = self._reply_message()
-        if kind == "rejected":
-            raise CacheFullError(payload)
-        return pickle.loads(payload)
+        if self._group is not None:
+            try:
+                return self._group.call(op, args, progress)
+            except (WorkerError, KeyboardInterrupt, RuntimeError):
+                if self._group._stopped:
+                    self._closed = True
+                raise
+        if op == "generate":
+            return self._local.generate(*args, progress=progress)
+        value = self._local.score(*args)
+        if self._launcher == "torchrun":
+            value = self._local.comm.share_object(value)
+        return value
 
     def _inject_fault(self, rank: int) -> None:
         """Test hook: worker ``rank`` raises at the next call while its peers wait on it."""
-        for inbox in self._inboxes:
-            inbox.put(("fault", rank))
+        self._group.send_all(("fault", rank))
 
     # ---- public API -----------------------------------------------------------------------
 
-    def _check_prompts(self, prompt_token_ids: list[list[int]]) -> list[list[int]]:
+    def _check_prompts(
+        self, prompt_token_ids: list[list[int]], max_new_tokens: int = 0
+    ) -> list[list[int]]:
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise ValueError("prompt_token_ids: expected a non-empty list of token-id lists")
         vocab = self.config.vocab_size
+        limit = self.config.max_position_embeddings
         prompts = []
         for i, prompt in enumerate(prompt_token_ids):
-            ids = [int(t) for t in prompt]
+            if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+                raise ValueError(f"prompt_token_ids[{i}]: expected a list of ints, got {prompt!r}")
+            ids = [_token_id(t, f"prompt_token_ids[{i}][{j}]") for j, t in enumerate(prompt)]
             if not ids:
                 raise ValueError(f"prompt_token_ids[{i}]: a prompt needs at least one token")
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(
                     f"prompt_token_ids[{i}]: token ids must lie in [0, {vocab}), got {bad[:5]}"
+                )
+            if len(ids) + max_new_tokens > limit:
+                raise ValueError(
+                    f"max_new_tokens: prompt {i} has {len(ids)} tokens, + max_new_tokens="
+                    f"{max_new_tokens} passes the model's max_position_embeddings={limit}"
+                    if max_new_tokens
+                    else f"prompt_token_ids[{i}]: {len(ids)} tokens pass the model's "
+                    f"max_position_embeddings={limit}"
                 )
             prompts.append(ids)
         return prompts
@@ -246,6 +700,7 @@ class LLM:
         max_new_tokens: int,
         temperature: float = 0.0,
         eos_token_id: int | Collection[int] | None = None,
+        show_progress: bool = False,
     ) -> list[list[int]]:
         """Continue each prompt; returns the new token ids per prompt.
 
@@ -255,47 +710,45 @@ class LLM:
             temperature: 0 for greedy; else softmax sampling at this temperature.
             eos_token_id: token id(s) that end a request (kept in its output); its cache
                 blocks are freed at once while the others continue.
+            show_progress: print a progress line on stderr every few seconds (nothing for
+                calls that end sooner).
 
         Raises:
             CacheFullError: the batch does not fit the cache (says by how much and which
                 argument to raise); nothing ran.
             WorkerError: a worker raised or died; names the rank. The engine is closed.
         """
-        prompts = self._check_prompts(prompt_token_ids)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens}")
-        if not (isinstance(temperature, (int, float)) and temperature >= 0.0):
-            raise ValueError(f"temperature: expected a float >= 0, got {temperature!r}")
+        prompts = self._check_prompts(prompt_token_ids, max_new_tokens)
+        if isinstance(temperature, bool) or not (
+            isinstance(temperature, (int, float)) and 0.0 <= temperature < float("inf")
+        ):
+            raise ValueError(f"temperature: expected a finite float >= 0, got {temperature!r}")
         if eos_token_id is None:
             eos: tuple[int, ...] = ()
-        elif isinstance(eos_token_id, int):
-            eos = (eos_token_id,)
+        elif isinstance(eos_token_id, (list, tuple, set, frozenset)):
+            eos = tuple(_token_id(t, "eos_token_id") for t in eos_token_id)
         else:
-            eos = tuple(int(t) for t in eos_token_id)
-        return self._call("generate", prompts, max_new_tokens, float(temperature), eos)
+            eos = (_token_id(eos_token_id, "eos_token_id"),)
+        progress = _ProgressLine(len(prompts)) if show_progress else None
+        return self._call(
+            "generate", prompts, max_new_tokens, float(temperature), eos, progress=progress
+        )
 
     def score(self, prompt_token_ids: list[list[int]]) -> list[torch.Tensor]:
-        """Prefill logits per prompt: ``[len(prompt), vocab]``, row ``i`` predicts token
-        ``i + 1``."""
+        """Prefill logits per prompt, on the CPU: ``[len(prompt), vocab]``, row ``i`` predicts
+        token ``i + 1``."""
         return self._call("score", self._check_prompts(prompt_token_ids))
 
     def close(self) -> None:
-        """Stop the workers (or leave the torchrun group); idempotent."""
-        if self._thread is not None:
-            if self._thread.is_alive():
-                for inbox in self._inboxes:
-                    inbox.put(("stop", None))
-                self._thread.join(timeout=60.0)
-            if self._thread.is_alive():
-                raise RuntimeError(
-                    f"LLM.close: workers {self.worker_pids} did not stop within 60 s"
-                )
-            self._thread = None
-            for q in (*self._inboxes, self._replies):
-                q.close()
-                q.join_thread()
+        """Stop the workers (or leave the torchrun group); idempotent, bounded (idle workers
+        get a few seconds to exit, then are terminated, then killed), and safe while another
+        thread's call is running (that call then raises)."""
+        if self._group is not None:
+            self._finalizer()
         elif self._local is not None and self._launcher == "torchrun" and not self._closed:
             destroy_parallel()
         self._local = None
@@ -306,7 +759,3 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_thread", None) is not None:
-            self.close()

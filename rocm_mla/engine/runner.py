@@ -207,6 +207,7 @@ class Runner:
             num_new=list(num_new),
             context_lens=context,
             write_rows=(slots >= 0).nonzero()[:, 0].to(dev),
+            fresh=torch.tensor([c == 0 for c in context], device=dev),
             dcp=dcp,
             decode_plan=plan,
         )

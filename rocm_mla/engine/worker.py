@@ -8,24 +8,36 @@ point-to-point ``send``/``recv``, the last stage samples on its first TP rank an
 the new tokens to every rank, so all runners advance in lockstep. TP all-reduces and the DCP
 decode run inside the model on the groups of ``rocm_mla.distributed``.
 
-``serve`` is the long-lived process body that ``LLM`` starts through
-``rocm_mla.distributed.launch``; under ``torchrun`` every process builds a ``StageWorker``
+``python -m rocm_mla.engine.worker`` is the long-lived process body that ``LLM`` starts (a
+fresh interpreter that never imports the caller's ``__main__``, so scripts need no main
+guard). It reads its ``WorkerSpec`` from stdin, connects back to the parent on 127.0.0.1
+(authenticated by a one-time token), joins the process group through the parent's store, and
+then runs the parent's commands; under ``torchrun`` every process builds a ``StageWorker``
 itself (``LLM(..., launcher="torchrun")``).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
-from collections.abc import Collection
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rocm_mla.distributed import ParallelState
+from rocm_mla.distributed import ParallelState, init_parallel
 from rocm_mla.engine.cache import CacheFullError, resolve_cache_dtype
+from rocm_mla.engine.graphs import DecodeGraphs
 from rocm_mla.engine.runner import DecodeAttention, Request, Runner
 from rocm_mla.inputs import FP8_DTYPES
 from rocm_mla.models.kimi_k3 import KimiK3ForCausalLM, StageIO, load_model
@@ -47,6 +59,8 @@ class EngineOptions:
     max_num_seqs: int = 16
     kv_cache_dtype: str | torch.dtype | None = None
     seed: int = 0
+    #: never capture decode steps in CUDA/HIP graphs (``rocm_mla.engine.graphs``)
+    enforce_eager: bool = False
 
 
 def _model_dtype(model: KimiK3ForCausalLM) -> torch.dtype:
@@ -150,13 +164,34 @@ class StageWorker:
             device,
             attention,
         )
+        # A single process on a GPU replays its decode steps from graphs; their padding rows
+        # write to one extra block and state slot that the runner never hands out.
+        self.graphs: DecodeGraphs | None = None
+        capture = comm is None and torch.device(device).type == "cuda" and not options.enforce_eager
+        spare = 1 if capture else 0
         self.caches = model.make_caches(
-            options.num_blocks,
+            options.num_blocks + spare,
             options.block_size,
-            options.max_num_seqs,
+            options.max_num_seqs + spare,
             device=device,
             kv_dtype=kv_dtype,
         )
+        if capture:
+            self.graphs = DecodeGraphs(
+                lambda meta, ids: self._forward(meta, ids),
+                kv_dtype=attention.kv_dtype,
+                q_dtype=attention.q_dtype,
+                num_heads=attention.num_heads,
+                head_dim_v=attention.head_dim_v,
+                rope_dim=attention.rope_dim,
+                backend=attention.backend,
+                block_size=options.block_size,
+                max_seqlen=config.max_position_embeddings,
+                max_batch=options.max_num_seqs,
+                trash_block=options.num_blocks,
+                trash_slot=options.max_num_seqs,
+                device=device,
+            )
         self.is_sampler = comm is None or comm.rank == comm.sampler
         self.generator = torch.Generator(device=device).manual_seed(options.seed)
 
@@ -226,11 +261,13 @@ class StageWorker:
         max_new_tokens: int,
         temperature: float = 0.0,
         eos_token_ids: Collection[int] = (),
+        progress: Callable[[int, int], None] | None = None,
     ) -> list[list[int]]:
         """New tokens per prompt; a request stops at EOS (kept) or ``max_new_tokens``.
 
         Every rank calls this with the same arguments. A finished request's blocks and state
-        slot go back to the pools at once while the others keep decoding.
+        slot go back to the pools at once while the others keep decoding. ``progress(step,
+        max_new_tokens)`` is called after each sampled step.
         """
         if max_new_tokens == 0:
             return [[] for _ in prompts]
@@ -241,7 +278,11 @@ class StageWorker:
             logits = self._forward(meta, ids, last_rows)
             new = self._next_tokens(logits, len(requests), temperature)
             active = requests
+            step = 1
             while True:
+                if progress is not None:
+                    progress(step, max_new_tokens)
+                step += 1
                 still: list[Request] = []
                 for req, token in zip(active, new, strict=True):
                     req.tokens.append(token)
@@ -253,7 +294,11 @@ class StageWorker:
                 if not active:
                     break
                 meta, ids = self.runner.decode(active)
-                new = self._next_tokens(self._forward(meta, ids), len(active), temperature)
+                if self.graphs is not None and self.graphs.can_run(meta):
+                    logits = self.graphs.run(meta, ids)
+                else:
+                    logits = self._forward(meta, ids)
+                new = self._next_tokens(logits, len(active), temperature)
         finally:
             for req in requests:
                 self.runner.finish(req)
@@ -271,50 +316,151 @@ class StageWorker:
                 self.runner.finish(req)
         if logits is None:
             return None
-        return list(logits.split([len(p) for p in prompts]))
+        return list(logits.cpu().split([len(p) for p in prompts]))
 
 
-#: Operations ``serve`` accepts from the front end.
-OPS = ("generate", "score", "fault", "stop")
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the parent hands one worker process on its stdin (pickled)."""
+
+    rank: int
+    path: str
+    options: EngineOptions
+    backend: str
+    control_port: int
+    store_port: int
+    token: bytes
+    parent_pid: int
+    torch_threads: int | None
+    collective_timeout_s: float
 
 
-def serve(
-    state: ParallelState,
-    path: str,
-    options: EngineOptions,
-    inboxes: list,
-    replies: Any,
-) -> None:
-    """A worker process's life: load, report ready, then run commands until "stop".
+#: Seconds between a busy worker's heartbeats; the parent names a rank whose heartbeats stop.
+HEARTBEAT_S = 1.0
+#: Seconds between progress messages of the sampler (the parent throttles what it prints).
+PROGRESS_S = 0.5
 
-    Every rank reads the same commands from its own inbox; the sampler rank (first TP rank
-    of the last stage) replies. A ``CacheFullError`` is raised by the runner's admission on
-    every rank alike before any communication, so it is replied as a rejection and the
-    workers stay up; any other exception ends the process and ``launch`` names the rank.
-    """
-    torch.set_grad_enabled(False)
-    worker = StageWorker.load(path, options, state)
-    inbox = inboxes[state.rank]
-    replies.put(("ready", state.rank, os.getpid()))
+
+class ParentLink:
+    """This worker's connection to the parent: locked sends, heartbeats while busy, and an
+    exit as soon as the parent is gone (even while blocked in a collective)."""
+
+    def __init__(self, conn: Connection, parent_pid: int) -> None:
+        self.conn = conn
+        self.parent_pid = parent_pid
+        self.busy = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, name="rocm-mla-heartbeat", daemon=True).start()
+
+    def send(self, message: tuple) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            if os.getppid() != self.parent_pid:
+                os._exit(1)  # orphaned: the parent died without stopping us
+            if self.busy.is_set():
+                try:
+                    self.send(("heartbeat",))
+                except OSError:
+                    os._exit(1)
+
+
+def _run(spec: WorkerSpec, link: ParentLink) -> None:
+    """Join the group, load, report ready, then serve commands until "stop" or EOF."""
+    options = spec.options
+    store = dist.TCPStore(
+        "127.0.0.1",
+        spec.store_port,
+        options.pp * options.tp,
+        False,
+        datetime.timedelta(seconds=spec.collective_timeout_s),
+    )
+    link.busy.set()
+    state = init_parallel(
+        options.pp,
+        options.tp,
+        options.dcp,
+        rank=spec.rank,
+        world_size=options.pp * options.tp,
+        backend=spec.backend,
+        timeout_s=spec.collective_timeout_s,
+        store=store,
+    )
+    worker = StageWorker.load(spec.path, options, state, state.device)
+    link.busy.clear()
+    link.send(("ready",))
     fault_pending = False
+    last_progress = 0.0
+
+    def progress(step: int, total: int) -> None:
+        nonlocal last_progress
+        now = time.monotonic()
+        if now - last_progress >= PROGRESS_S:
+            last_progress = now
+            link.send(("progress", step, total))
+
     while True:
-        op, args = inbox.get()
+        try:
+            op, args = link.conn.recv()
+        except EOFError:
+            return
         if op == "stop":
             return
         if op == "fault":
-            # Test hook: this rank raises at its next generate while the others block in
-            # the step's collectives, the way a real worker bug strands its peers.
-            fault_pending = args == state.rank
+            # Test hook: this rank raises at its next call while the others block in the
+            # step's collectives, the way a real worker bug strands its peers.
+            fault_pending = args == spec.rank
             continue
-        if op not in OPS:
-            raise ValueError(f"serve: unknown operation {op!r}, expected one of {OPS}")
+        link.busy.set()
         if fault_pending:
-            raise RuntimeError(f"injected fault on rank {state.rank} (LLM._inject_fault)")
+            raise RuntimeError(f"injected fault on rank {spec.rank} (LLM._inject_fault)")
+        if op == "generate":
+            args = (*args, progress if worker.is_sampler else None)
+        elif op != "score":
+            raise ValueError(f"worker: unknown operation {op!r}")
         try:
             value = getattr(worker, op)(*args)
         except CacheFullError as exc:
-            if worker.is_sampler:
-                replies.put(("rejected", state.rank, str(exc)))
-            continue
-        if worker.is_sampler:
-            replies.put(("result", state.rank, pickle.dumps(value)))
+            # Raised by admission on every rank alike before any communication: the
+            # workers stay up.
+            outcome: tuple = ("rejected", exc.detail, exc.knob, exc.minimum)
+        else:
+            outcome = ("ok", pickle.dumps(value) if worker.is_sampler else None)
+        link.busy.clear()
+        link.send(("done", outcome))
+
+
+def main() -> None:
+    """Entry point of ``python -m rocm_mla.engine.worker`` (started by ``LLM`` only)."""
+    # The parent owns Ctrl-C: it stops the workers itself, so they print nothing of their own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    spec: WorkerSpec = pickle.load(sys.stdin.buffer)
+    if spec.torch_threads is not None:
+        torch.set_num_threads(spec.torch_threads)
+    torch.set_grad_enabled(False)
+    sock = socket.create_connection(("127.0.0.1", spec.control_port), timeout=60.0)
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    conn.send_bytes(spec.token)
+    link = ParentLink(conn, spec.parent_pid)
+    link.send(("hello", spec.rank, os.getpid()))
+    try:
+        _run(spec, link)
+    except BaseException:
+        # Stamped so that the parent can tell the rank that failed first from the peers its
+        # exit broke (same host, same clock).
+        try:
+            link.send(("error", time.time(), traceback.format_exc()))
+        finally:
+            os._exit(1)
+    # Exit without tearing the group down: the peers are stopping too, and a teardown that
+    # waits on them is the one thing that could hang here.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,20 +4,70 @@ Kimi-K3 checkpoints (``model_type: kimi_k3``) keep the text model under ``text_c
 Kimi-Linear checkpoints (``model_type: kimi_linear``) are flat. Both are read into one
 ``KimiK3Config``; the names transformers writes when it re-saves a checkpoint are accepted as
 aliases of the released names.
+
+Keys absent from config.json take these defaults (only configs that omit them are affected;
+the released K3 config sets every one). K3 follows the released reading, i.e. the
+``KimiLinearConfig`` class shipped with the K3 checkpoint (also vLLM's); Kimi-Linear follows
+transformers' ``KimiLinearConfig``, the model that the parity tests compare against.
+
+=====================  ===================================  =================================
+key                    kimi_k3 (released config class)      kimi_linear (transformers)
+=====================  ===================================  =================================
+rms_norm_eps           1e-6                                 1e-5
+num_shared_experts     0                                    1 (``n_shared_experts``)
+first_k_dense_replace  0 (every layer MoE)                  1 (layer 0 dense)
+mla_use_nope           False (RoPE on the rope dims)        True (transformers never rotates)
+routed_scaling_factor  1.0                                  2.446
+linear_attn_config     absent: no KDA layer (all MLA)       every 4th layer MLA (0-based i%4==0,
+                                                            i>0), 32 heads x 128, conv 4
+activation_situ_beta,  refused when ``hidden_act`` is       (SiLU: unused)
+activation_situ_       "situ": the class defaults them to
+linear_beta            None, which has no SiTU meaning
+tie_word_embeddings    False (top level for K3)             False
+logit_scale            1.0 (logits unscaled)                1.0
+quantization_config    absent: plain weights                absent: plain weights
+=====================  ===================================  =================================
+
+The MLA latent norms (``q_a_layernorm``, ``kv_a_layernorm``) use ``rms_norm_eps`` for K3 (the
+released reading) and transformers' fixed 1e-6 for Kimi-Linear (``latent_norm_eps`` overrides
+both).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rocm_mla.models.kimi_k3.limits import checkpoint_file
+from rocm_mla.models.kimi_k3.mxfp4 import GROUP_SIZE, parse_quantization_config
 
 ARCHS = ("kimi_k3", "kimi_linear")
 ATTENTION_TYPES = ("full_attention", "linear_attention")
 MLP_TYPES = ("dense", "sparse")
 HIDDEN_ACTS = ("silu", "situ")
+EXPERT_QUANTS = (None, "mxfp4")
+# transformers' KimiLinearRMSNorm default, used for Kimi-Linear's q_a / kv_a norms.
+TRANSFORMERS_LATENT_NORM_EPS = 1e-6
+# Absent-key defaults per arch; see the module docstring's table for the sources.
+_ABSENT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "kimi_k3": {
+        "rms_norm_eps": 1e-6,
+        "num_shared_experts": 0,
+        "mla_use_nope": False,
+        "routed_scaling_factor": 1.0,
+    },
+    "kimi_linear": {
+        "rms_norm_eps": 1e-5,
+        "num_shared_experts": 1,
+        "mla_use_nope": True,
+        "routed_scaling_factor": 2.446,
+    },
+}
+_FIRST_K_DENSE_DEFAULT = {"kimi_k3": 0, "kimi_linear": 1}
 
 # released name -> names transformers may write instead (same meaning).
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -51,6 +101,8 @@ class KimiK3Config:
     activation_situ_linear_beta: float = 25.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    # Multiplies the logits (vLLM's LogitsProcessor scale).
+    logit_scale: float = 1.0
     # MLA
     num_attention_heads: int = 4
     q_lora_rank: int | None = 32
@@ -61,9 +113,8 @@ class KimiK3Config:
     mla_use_nope: bool = True
     mla_use_output_gate: bool = True
     rope_theta: float = 10000.0
-    # q_a / kv_a latent RMSNorm eps: transformers' Kimi-Linear uses its RMSNorm default 1e-6
-    # there (vLLM uses rms_norm_eps); parity with transformers decides.
-    latent_norm_eps: float = 1e-6
+    # q_a / kv_a latent RMSNorm eps; None: the per-arch reading (``mla_latent_norm_eps``).
+    latent_norm_eps: float | None = None
     # KDA
     kda_num_heads: int = 4
     kda_head_dim: int = 16
@@ -82,6 +133,8 @@ class KimiK3Config:
     use_grouped_topk: bool = True
     num_expert_group: int = 1
     topk_group: int = 1
+    # Routed-expert weight format: None (plain) or "mxfp4" (compressed-tensors, packed).
+    routed_expert_quant: str | None = None
     # Attention Residuals
     attn_res_block_size: int | None = 3
     num_nextn_predict_layers: int = 0
@@ -89,6 +142,8 @@ class KimiK3Config:
     mlp_layer_types: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # Types and ranges first: the defaults below build per-layer lists.
+        _check_field_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if not self.layer_types:
             self.layer_types = _default_layer_types(self.num_hidden_layers)
         if not self.mlp_layer_types:
@@ -111,6 +166,18 @@ class KimiK3Config:
         """MLA softmax scale ``(nope + rope) ** -0.5``."""
         return self.qk_head_dim**-0.5
 
+    @property
+    def mla_latent_norm_eps(self) -> float:
+        """Eps of the MLA latent norms: ``rms_norm_eps`` for K3 (the released reading: the
+        reference serving engines use the checkpoint value), transformers' 1e-6 for
+        Kimi-Linear (its ``KimiLinearRMSNorm`` default there); ``latent_norm_eps`` overrides.
+        """
+        if self.latent_norm_eps is not None:
+            return self.latent_norm_eps
+        if self.arch == "kimi_k3":
+            return self.rms_norm_eps
+        return TRANSFORMERS_LATENT_NORM_EPS
+
     def is_mla(self, layer: int) -> bool:
         """Whether 0-based ``layer`` is an MLA (full attention) layer, else KDA."""
         return self.layer_types[layer] == "full_attention"
@@ -129,6 +196,20 @@ class KimiK3Config:
         for name in ("layer_types", "mlp_layer_types"):
             value = getattr(self, name)
             _check(len(value) == n, name, f"{n} entries (num_hidden_layers)", len(value))
+        _check(
+            self.routed_expert_quant in EXPERT_QUANTS,
+            "routed_expert_quant",
+            f"one of {EXPERT_QUANTS}",
+            self.routed_expert_quant,
+        )
+        if self.routed_expert_quant is not None:
+            expert_in = self.routed_expert_hidden_size or self.hidden_size
+            _check(
+                expert_in % GROUP_SIZE == 0,
+                "routed_expert_hidden_size" if self.routed_expert_hidden_size else "hidden_size",
+                f"a multiple of the MXFP4 group size {GROUP_SIZE} (the routed experts' input)",
+                expert_in,
+            )
         bad = [t for t in self.layer_types if t not in ATTENTION_TYPES]
         _check(not bad, "layer_types", f"entries in {ATTENTION_TYPES}", bad)
         bad = [t for t in self.mlp_layer_types if t not in MLP_TYPES]
@@ -180,6 +261,15 @@ class KimiK3Config:
         }
         for name, value in dims.items():
             _check(value % tp_size == 0, name, f"a multiple of tp_size={tp_size}", value)
+        if self.routed_expert_quant is not None:
+            local = self.moe_intermediate_size // tp_size
+            _check(
+                local % GROUP_SIZE == 0,
+                "moe_intermediate_size",
+                f"a multiple of tp_size * {GROUP_SIZE} (each rank's MXFP4 w2 input is whole "
+                f"groups of {GROUP_SIZE}) for tp_size={tp_size}",
+                self.moe_intermediate_size,
+            )
 
     # ---------------------------------------------------------------- presets
     @classmethod
@@ -247,7 +337,7 @@ class KimiK3Config:
     def from_pretrained(cls, path: str | Path) -> KimiK3Config:
         """Read ``config.json`` from a checkpoint directory (or the file itself)."""
         path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
+        file = checkpoint_file(path, "config.json") if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no config.json at {file}")
         return cls.from_dict(json.loads(file.read_text()))
@@ -276,6 +366,8 @@ class KimiK3Config:
             "kda_conv_size",
             "kda_full_rank_gate",
             "kda_gate_lower_bound",
+            "routed_expert_quant",
+            "tie_word_embeddings",
         }
         for name in plain:
             if name in text:
@@ -283,7 +375,8 @@ class KimiK3Config:
         for name in ("num_attention_heads", "num_hidden_layers", "hidden_size", "vocab_size"):
             if name not in text:
                 raise ValueError(f"{name}: missing from config.json")
-        n = int(text["num_hidden_layers"])
+        _check_field_values(kwargs)
+        n = kwargs["num_hidden_layers"]
         # A K3 config without these keys means the released K3 defaults; Kimi-Linear never
         # has a gate, latent MoE or AttnRes.
         kwargs.setdefault("mla_use_output_gate", False)
@@ -291,8 +384,17 @@ class KimiK3Config:
         kwargs.setdefault("attn_res_block_size", None)
         kwargs.setdefault("q_lora_rank", None)
         kwargs.setdefault("hidden_act", "silu")
-        kwargs.setdefault("mla_use_nope", True)
         kwargs.setdefault("latent_moe_use_norm", False)
+        for name, value in _ABSENT_DEFAULTS[arch].items():
+            kwargs.setdefault(name, value)
+        if kwargs["hidden_act"] == "situ":
+            for name in ("activation_situ_beta", "activation_situ_linear_beta"):
+                if text.get(name) is None:
+                    raise ValueError(
+                        f"{name}: hidden_act 'situ' needs it (the released K3 config sets "
+                        "4.0 / 25.0); it is missing or null"
+                    )
+        kwargs.update(_parse_top_level(raw, text, arch))
         if text.get("num_key_value_heads") not in (None, text["num_attention_heads"]):
             raise ValueError(
                 f"num_key_value_heads: MLA needs it equal to num_attention_heads "
@@ -303,8 +405,9 @@ class KimiK3Config:
         method = text.get("topk_method", "noaux_tc")
         _check(method == "noaux_tc", "topk_method", "'noaux_tc'", method)
         kwargs.update(_parse_linear_attn(text, n))
-        kwargs["layer_types"] = _parse_layer_types(text, n)
-        kwargs["mlp_layer_types"] = _parse_mlp_types(text, n)
+        _check_field_values(kwargs)
+        kwargs["layer_types"] = _parse_layer_types(text, n, arch)
+        kwargs["mlp_layer_types"] = _parse_mlp_types(text, n, arch)
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -316,6 +419,7 @@ class KimiK3Config:
         }
         out.pop("mlp_layer_types")
         out.pop("latent_norm_eps")
+        out.pop("routed_expert_quant")  # written as the top-level quantization_config
         first_dense = sum(1 for t in self.mlp_layer_types if t == "dense")
         prefix = ["dense"] * first_dense + ["sparse"] * (self.num_hidden_layers - first_dense)
         if self.mlp_layer_types == prefix:
@@ -344,6 +448,74 @@ class KimiK3Config:
 def _check(ok: bool, name: str, expected: str, got: Any) -> None:
     if not ok:
         raise ValueError(f"{name}: expected {expected}, got {got!r}")
+
+
+# Inclusive bounds of integer fields: a generous margin over every released Kimi model, low
+# enough that a typo (or a hostile file) fails here rather than in a terabyte allocation.
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 2**24),
+    "hidden_size": (1, 2**16),
+    "num_hidden_layers": (1, 2**12),
+    "intermediate_size": (1, 2**20),
+    "max_position_embeddings": (1, 2**30),
+    "num_attention_heads": (1, 2**12),
+    "q_lora_rank": (1, 2**16),
+    "kv_lora_rank": (1, 2**16),
+    "qk_nope_head_dim": (0, 2**12),
+    "qk_rope_head_dim": (0, 2**12),
+    "v_head_dim": (1, 2**12),
+    "kda_num_heads": (1, 2**12),
+    "kda_head_dim": (1, 2**12),
+    "kda_conv_size": (1, 2**8),
+    "num_experts": (0, 2**16),
+    "num_experts_per_token": (0, 2**10),
+    "num_shared_experts": (0, 2**8),
+    "moe_intermediate_size": (1, 2**20),
+    "routed_expert_hidden_size": (1, 2**16),
+    "num_expert_group": (1, 2**16),
+    "topk_group": (1, 2**16),
+    "attn_res_block_size": (1, 2**12),
+    "num_nextn_predict_layers": (0, 2**8),
+}
+_POSITIVE_FLOATS = ("rms_norm_eps", "latent_norm_eps", "rope_theta")
+# Field -> its name in config.json, where they differ.
+_JSON_NAMES = {
+    "kda_num_heads": "linear_attn_config.num_heads",
+    "kda_head_dim": "linear_attn_config.head_dim",
+    "kda_conv_size": "linear_attn_config.short_conv_kernel_size",
+    "kda_full_rank_gate": "linear_attn_config.use_full_rank_gate",
+    "kda_gate_lower_bound": "linear_attn_config.gate_lower_bound",
+}
+
+
+def _check_field_values(values: dict[str, Any]) -> None:
+    """Type and range of each scalar field in ``values`` (by the dataclass annotation);
+    ValueError naming the config.json key. Nothing is coerced: ``"64"`` is not 64."""
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(KimiK3Config)}
+    for name, value in values.items():
+        kind = kinds.get(name)
+        if kind is None:
+            continue
+        key = _JSON_NAMES.get(name, name)
+        optional = kind.endswith(" | None")
+        base = kind.removesuffix(" | None")
+        if value is None and optional:
+            continue
+        null = " or null" if optional else ""
+        if base == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            _check(ok, key, f"an int{null}", value)
+            lo, hi = _INT_RANGES.get(name, (0, 2**31 - 1))
+            _check(lo <= value <= hi, key, f"an int in [{lo}, {hi}]", value)
+        elif base == "float":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            _check(ok and math.isfinite(value), key, f"a finite number{null}", value)
+            if name in _POSITIVE_FLOATS:
+                _check(value > 0, key, "a number > 0", value)
+        elif base == "bool":
+            _check(isinstance(value, bool), key, f"true or false{null}", value)
+        elif base == "str":
+            _check(isinstance(value, str), key, f"a string{null}", value)
 
 
 def _default_layer_types(n: int) -> list[str]:
@@ -386,7 +558,28 @@ def _parse_linear_attn(text: dict[str, Any], n: int) -> dict[str, Any]:
     return out
 
 
-def _parse_layer_types(text: dict[str, Any], n: int) -> list[str]:
+def _parse_top_level(raw: dict[str, Any], text: dict[str, Any], arch: str) -> dict[str, Any]:
+    """``tie_word_embeddings`` and ``quantization_config``: top-level keys of a K3 config.json
+    (the composite model's), also accepted inside ``text_config`` when they agree."""
+    out: dict[str, Any] = {}
+    for name in ("tie_word_embeddings", "quantization_config"):
+        values = [src[name] for src in (raw, text) if name in src]
+        if len(values) == 2 and values[0] != values[1]:
+            raise ValueError(
+                f"{name}: the top-level value contradicts text_config's "
+                f"({values[0]!r} vs {values[1]!r})"
+            )
+        if not values:
+            continue
+        if name == "tie_word_embeddings":
+            _check(isinstance(values[0], bool), name, "true or false", values[0])
+            out[name] = values[0]
+        else:
+            out["routed_expert_quant"] = parse_quantization_config(values[0])
+    return out
+
+
+def _parse_layer_types(text: dict[str, Any], n: int, arch: str = "kimi_linear") -> list[str]:
     lac = text.get("linear_attn_config") or {}
     from_lists = None
     if "full_attn_layers" in lac or "kda_layers" in lac:
@@ -416,13 +609,19 @@ def _parse_layer_types(text: dict[str, Any], n: int) -> list[str]:
                 f"({list(given)} vs {from_lists})"
             )
         return list(given)
-    return from_lists if from_lists is not None else _default_layer_types(n)
+    if from_lists is not None:
+        return from_lists
+    if arch == "kimi_k3":
+        return ["full_attention"] * n  # the released reading: no linear_attn_config, no KDA
+    return _default_layer_types(n)
 
 
-def _parse_mlp_types(text: dict[str, Any], n: int) -> list[str]:
+def _parse_mlp_types(text: dict[str, Any], n: int, arch: str = "kimi_linear") -> list[str]:
     freq = text.get("moe_layer_freq", 1)
     _check(isinstance(freq, int) and freq >= 1, "moe_layer_freq", "an int >= 1", freq)
     first = text.get("first_k_dense_replace")
+    if first is None and arch == "kimi_k3" and text.get("mlp_layer_types") is None:
+        first = _FIRST_K_DENSE_DEFAULT[arch]
     derived = None
     if first is not None:
         _check(
@@ -442,4 +641,4 @@ def _parse_mlp_types(text: dict[str, Any], n: int) -> list[str]:
         return list(given)
     if derived is not None:
         return derived
-    return ["dense"] + ["sparse"] * (n - 1)
+    return ["dense"] + ["sparse"] * (n - 1)  # transformers: first_k_dense_replace 1

@@ -77,17 +77,25 @@ def kda_chunked(
     beta: torch.Tensor,
     state: torch.Tensor,
     chunk_size: int = 16,
+    chunks_per_group: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same recurrence as ``kda_recurrent``, solved a chunk at a time (same args/returns).
 
     Within a chunk with cumulative log decay ``G_t`` and start state ``S0``, the delta-rule
     corrections ``u_t = beta_t (v_t - S_{t-1}^T k_t)`` satisfy the unit lower-triangular system
-    ``u_t + beta_t sum_{s<t} (k_t . k_s e^{G_t - G_s}) u_s = beta_t (v_t - (k_t e^{G_t})^T S0)``;
-    then ``o_t = (q_t e^{G_t})^T S0 + sum_{s<=t} (q_t . k_s e^{G_t - G_s}) u_s`` and
-    ``S_C = e^{G_C} S0 + sum_s (k_s e^{G_C - G_s}) u_s^T``. Decays are differenced before
+    ``(I + A) u = beta (v - (k e^G)^T S0)`` with ``A_ts = beta_t (k_t . k_s e^{G_t - G_s})``
+    for ``s < t``; then ``o_t = (q_t e^{G_t})^T S0 + sum_{s<=t} (q_t . k_s e^{G_t - G_s}) u_s``
+    and ``S_C = e^{G_C} S0 + sum_s (k_s e^{G_C - G_s}) u_s^T``. Decays are differenced before
     ``exp`` so nothing overflows.
+
+    Everything is linear in ``S0``, so per chunk ``u = U0 - W S0``, ``o = P S0 + R`` and
+    ``S_C = M S0 + N`` with ``P, R, M, N`` independent of the state: those (the triangular
+    solves, the decayed products) are computed for ``chunks_per_group`` chunks in one batch,
+    and only the two small products per chunk that carry the state run in sequence. A long
+    prefill then costs a few launches per chunk, not a few dozen.
     """
-    b, t_len, h, _ = k.shape
+    b, t_len, h, dk = k.shape
+    dv = v.shape[-1]
     pad = (-t_len) % chunk_size
     # Padding tokens have k = v = beta = 0 and no decay: they leave the state unchanged.
     q, k, v, g, beta = (
@@ -103,24 +111,31 @@ def kda_chunked(
     idx = torch.arange(chunk_size, device=q.device)
     lower_incl = idx[:, None] >= idx[None, :]
     strict = idx[:, None] > idx[None, :]
+    eye = torch.eye(chunk_size, device=q.device)
     s = state.float()
     outs = []
-    for i in range(n):
-        qi, ki, vi, bi = qc[i], kc[i], vc[i], bc[i]
-        cum = gc[i].cumsum(dim=2)  # [B, H, C, dk]
-        diff = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # [B, H, C(t), C(s), dk]
+    for g0 in range(0, n, chunks_per_group):
+        sl = slice(g0, min(n, g0 + chunks_per_group))
+        qi, ki, vi, bi = qc[sl], kc[sl], vc[sl], bc[sl, ..., None]  # [m, B, H, C, .]
+        cum = gc[sl].cumsum(dim=3)  # [m, B, H, C, dk]
+        diff = cum[..., :, None, :] - cum[..., None, :, :]  # [m, B, H, C(t), C(s), dk]
         decay = diff.masked_fill(~lower_incl[:, :, None], float("-inf")).exp()
-        kk = torch.einsum("bhtc,bhsc,bhtsc->bhts", ki, ki, decay).masked_fill(~strict, 0.0)
-        a = bi[..., None] * kk
-        rhs = bi[..., None] * (vi - (ki * cum.exp()) @ s)
-        eye = torch.eye(chunk_size, device=q.device)
-        u = torch.linalg.solve_triangular(a + eye, rhs, upper=False, unitriangular=True)
-        qk = torch.einsum("bhtc,bhsc,bhtsc->bhts", qi, ki, decay)
-        outs.append((qi * cum.exp()) @ s + qk @ u)
-        last = cum[:, :, -1:, :]  # [B, H, 1, dk]
-        s = last.squeeze(2).exp()[..., None] * s + (ki * (last - cum).exp()).transpose(-1, -2) @ u
-    o = torch.stack(outs, dim=0)  # [n, B, H, C, dv]
-    o = o.movedim(0, 1).movedim(2, 3).reshape(b, n * chunk_size, h, -1)
+        kk = torch.einsum("mbhtc,mbhsc,mbhtsc->mbhts", ki, ki, decay).masked_fill(~strict, 0.0)
+        rhs = torch.cat([bi * vi, bi * (ki * cum.exp())], dim=-1)
+        u0, w = torch.linalg.solve_triangular(
+            bi * kk + eye, rhs, upper=False, unitriangular=True
+        ).split([dv, dk], dim=-1)  # u = u0 - w S0
+        qk = torch.einsum("mbhtc,mbhsc,mbhtsc->mbhts", qi, ki, decay)
+        last = cum[..., -1:, :]  # [m, B, H, 1, dk]
+        kd = (ki * (last - cum).exp()).transpose(-1, -2)  # [m, B, H, dk, C]
+        p = qi * cum.exp() - qk @ w  # o = p S0 + r
+        r = qk @ u0
+        m = torch.diag_embed(last.squeeze(-2).exp()) - kd @ w  # S_C = m S0 + carry
+        carry = kd @ u0
+        for j in range(p.shape[0]):
+            outs.append(p[j] @ s + r[j])
+            s = m[j] @ s + carry[j]
+    o = torch.stack(outs, dim=0).movedim(0, 1).movedim(2, 3).reshape(b, n * chunk_size, h, -1)
     return o[:, :t_len], s
 
 

@@ -4,10 +4,17 @@ Key names: K3 under ``language_model.model.`` / ``language_model.lm_head.`` (vis
 projector and MTP layers skipped); Kimi-Linear under ``model.`` / ``lm_head.``. Only this
 stage's layers are read, and through ``get_slice`` only this TP rank's rows/columns, so memory
 stays proportional to the shard. ``make_tiny`` writes a random checkpoint in the same format.
+
+The embedding and LM head are vocab-parallel: each TP rank reads its ``ceil(V / tp)`` rows
+(zero padding past the vocabulary). With ``tie_word_embeddings`` the head is the embedding
+tensor (a stored ``lm_head.weight`` is then ignored). MXFP4 routed experts (config.json
+``quantization_config``) are read as ``weight_packed`` / ``weight_scale`` uint8 and stay packed.
+Short-conv weights may be stored ``[C, 1, K]`` or ``[C, K]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -20,7 +27,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from rocm_mla.models.kimi_k3.config import KimiK3Config
+from rocm_mla.models.kimi_k3.limits import UnsafeCheckpointPath, check_memory, checkpoint_file
 from rocm_mla.models.kimi_k3.model import KimiK3ForCausalLM
+from rocm_mla.models.kimi_k3.mxfp4 import quantization_config_block, quantize_mxfp4
 from rocm_mla.models.kimi_k3.ops import AllReduce, shard_range
 
 # Module names whose weight rows (dim 0) are split across TP ranks (heads / intermediate),
@@ -36,6 +45,9 @@ _FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias", "gate.weight")
 _SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 _LIST_LIMIT = 10
 _DENSE_ALIAS = re.compile(r"(layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.)")
+_VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+_EXPERT_WEIGHT = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
+EXPERT_FORMATS = ("plain", "mxfp4")
 
 
 class CheckpointError(ValueError):
@@ -75,18 +87,33 @@ def _layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _inside(path: Path, name: str) -> Path:
+    """``path / name``, as a ``CheckpointError`` when it leads out of the model directory."""
+    try:
+        return checkpoint_file(path, name)
+    except UnsafeCheckpointPath as err:
+        raise CheckpointError(str(err)) from None
+
+
 def _files(path: Path) -> dict[str, list[str]]:
-    """Checkpoint file -> keys in it (index.json or the single model.safetensors)."""
+    """Checkpoint file -> keys in it (index.json or the single model.safetensors); every
+    file named resolves inside ``path``."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
+        _inside(path, index.name)
         weight_map = json.loads(index.read_text()).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no 'weight_map' dict")
         files: dict[str, list[str]] = {}
         for key, file in weight_map.items():
+            if not isinstance(key, str) or not isinstance(file, str):
+                raise CheckpointError(
+                    f"{index}: weight_map entry {key!r}: {file!r} must map a name to a file name"
+                )
+            _inside(path, file)
             files.setdefault(file, []).append(key)
         return files
-    single = path / "model.safetensors"
+    single = _inside(path, "model.safetensors")
     if not single.is_file():
         raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json found")
     with _open(single) as f:
@@ -140,21 +167,29 @@ def load_model(
     """
     path = Path(path)
     config = KimiK3Config.from_pretrained(path)
+    check_memory(
+        config,
+        device=device,
+        pp=pp_size,
+        tp=tp_size,
+        param_itemsize=dtype.itemsize if dtype is not None else None,
+    )
     with torch.device("meta"):
         model = KimiK3ForCausalLM(
             config, pp_rank=pp_rank, pp_size=pp_size, tp_rank=tp_rank, tp_size=tp_size,
             all_reduce=all_reduce, backend=backend, dcp_group=dcp_group,
         )  # fmt: skip
     model.to_empty(device=device)
+    model.tie_weights()
     params = dict(model.named_parameters())
     start, end = model.layer_range
     loaded: set[str] = set()
     unexpected: list[str] = []
     misshaped: list[str] = []
     for file, keys in _files(path).items():
-        with _open(path / file) as f:
+        with _open(_inside(path, file)) as f:
             for key in keys:
-                name = _model_name(key, config.arch)
+                name = _tied_name(_model_name(key, config.arch), config, model)
                 if name is None:
                     continue
                 layer = _layer_of(name)
@@ -166,7 +201,12 @@ def load_model(
                     if not _stage_skips(name, model):
                         unexpected.append(key)
                     continue
-                problem = _read_into(f, key, name, params[name], tp_rank, tp_size, dtype, file)
+                if name in _VOCAB_PARALLEL:
+                    problem = _read_vocab_rows(
+                        f, key, params[name], tp_rank, config.vocab_size, dtype, file
+                    )
+                else:
+                    problem = _read_into(f, key, name, params[name], tp_rank, tp_size, dtype, file)
                 if problem:
                     misshaped.append(problem)
                 else:
@@ -181,7 +221,10 @@ def load_model(
         if unexpected:
             parts.append(_summary("unexpected tensors", unexpected))
         if misshaped:
-            parts.append(_summary("wrong shapes", misshaped))
+            parts.append(_summary("wrong shapes or dtypes", misshaped))
+        hint = _format_hint(config, unexpected)
+        if hint:
+            parts.append(hint)
         raise CheckpointError("\n".join(parts))
     model.absorb_weights()
     return model
@@ -192,6 +235,67 @@ def _stage_skips(name: str, model: KimiK3ForCausalLM) -> bool:
     first_only = name.startswith("model.embed_tokens.")
     last_only = name.startswith(("lm_head.", "model.norm.", "model.output_attn_res_"))
     return (first_only and not model.is_first) or (last_only and not model.is_last)
+
+
+def _tied_name(name: str | None, config: KimiK3Config, model: KimiK3ForCausalLM) -> str | None:
+    """With tied embeddings: a stored head copy is ignored, and a last stage that does not
+    embed reads its head from the embedding tensor."""
+    if name is None or not config.tie_word_embeddings:
+        return name
+    if name == "lm_head.weight":
+        return None
+    if name == "model.embed_tokens.weight" and model.is_last and not model.is_first:
+        return "lm_head.weight"
+    return name
+
+
+def _format_hint(config: KimiK3Config, unexpected: list[str]) -> str | None:
+    """Why routed-expert tensors did not match: the checkpoint and config.json disagree on
+    the expert format."""
+    if config.routed_expert_quant is None and any(
+        k.endswith((".weight_packed", ".weight_scale")) for k in unexpected
+    ):
+        return (
+            "  hint: the checkpoint stores MXFP4 expert tensors (weight_packed/weight_scale) "
+            "but config.json has no compressed-tensors quantization_config"
+        )
+    if config.routed_expert_quant == "mxfp4" and any(_EXPERT_WEIGHT.search(k) for k in unexpected):
+        return (
+            "  hint: config.json declares MXFP4 routed experts but the checkpoint stores "
+            "plain expert .weight tensors"
+        )
+    return None
+
+
+def _read_vocab_rows(
+    f,
+    key: str,
+    param: nn.Parameter,
+    tp_rank: int,
+    vocab_size: int,
+    dtype: torch.dtype | None,
+    file: str,
+) -> str | None:
+    """Copy this rank's vocabulary rows of ``key [V, D]`` into ``param [ceil(V/tp), D]``
+    (pad rows past ``V`` zero); return a shape problem or None."""
+    rows, dim = param.shape
+    try:
+        sl = f.get_slice(key)
+        shape = list(sl.get_shape())
+        if shape != [vocab_size, dim]:
+            return f"{key}: expected shape {[vocab_size, dim]}, got {shape}"
+        start = tp_rank * rows
+        end = min(start + rows, vocab_size)
+        tensor = sl[start:end]
+    except Exception as err:  # safetensors raises SafetensorError on a short data section
+        raise CheckpointError(
+            f"{file}: cannot read tensor {key} ({err}); the file is truncated or corrupt"
+        ) from err
+    full = torch.zeros(rows, dim, dtype=dtype or tensor.dtype, device=param.device)
+    full[: end - start] = tensor.to(device=param.device, dtype=full.dtype)
+    with torch.no_grad():
+        param.data = full
+    return None
 
 
 def _ckpt_name(name: str, arch: str) -> str:
@@ -212,6 +316,9 @@ def _read_into(
     try:
         sl = f.get_slice(key)
         shape = list(sl.get_shape())
+        if param.dtype == torch.uint8 and sl.get_dtype() != "U8":
+            got = sl.get_dtype()
+            return f"{key}: expected dtype uint8 (MXFP4 packed codes / e8m0 scales), got {got}"
         dim = tp_shard_dim(name)
         local = list(param.shape)
         if name.endswith("A_log"):
@@ -227,7 +334,7 @@ def _read_into(
             expected = list(local)
             if dim is not None:
                 expected[dim] *= tp_size
-            if shape != expected:
+            if shape != expected and not _is_2d_conv(name, shape, expected):
                 return f"{key}: expected shape {expected}, got {shape}"
             if dim is None:
                 tensor = sl[:]
@@ -238,10 +345,25 @@ def _read_into(
         raise CheckpointError(
             f"{file}: cannot read tensor {key} ({err}); the file is truncated or corrupt"
         ) from err
-    target = torch.float32 if name.endswith(_FP32_PARAMS) else (dtype or tensor.dtype)
+    if param.dtype == torch.uint8:
+        target = torch.uint8
+    elif name.endswith(_FP32_PARAMS):
+        target = torch.float32
+    else:
+        target = dtype or tensor.dtype
     with torch.no_grad():
         param.data = tensor.to(device=param.device, dtype=target).reshape(param.shape).contiguous()
     return None
+
+
+def _is_2d_conv(name: str, shape: list[int], expected: list[int]) -> bool:
+    """A depthwise short-conv weight saved ``[C, K]`` instead of ``[C, 1, K]`` (same data)."""
+    return (
+        "conv1d" in name
+        and len(expected) == 3
+        and expected[1] == 1
+        and shape == [expected[0], expected[2]]
+    )
 
 
 # ---------------------------------------------------------------------------- tiny checkpoints
@@ -292,6 +414,7 @@ def make_tiny(
     seed: int = 0,
     config: KimiK3Config | None = None,
     dtype: torch.dtype = torch.float32,
+    experts: str = "plain",
 ) -> Path:
     """Write a random checkpoint (config.json + model.safetensors) in the released format.
 
@@ -301,30 +424,53 @@ def make_tiny(
         seed: weight seed.
         config: defaults to ``KimiK3Config.tiny(arch)``.
         dtype: tensor dtype on disk (router / decay parameters stay fp32).
+        experts: "plain" or "mxfp4": routed experts quantized with ``quantize_mxfp4`` and
+            stored as compressed-tensors ``weight_packed`` / ``weight_scale`` plus the
+            ``quantization_config`` block. Without ``config``, "mxfp4" widens the tiny
+            ``moe_intermediate_size`` to 64 so tp 2 still splits whole groups of 32.
 
     Returns:
         ``out_dir`` as a Path.
     """
-    config = config or KimiK3Config.tiny(arch)
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts: expected one of {EXPERT_FORMATS}, got {experts!r}")
+    if config is None:
+        config = KimiK3Config.tiny(arch)
+        if experts == "mxfp4":
+            config = dataclasses.replace(config, moe_intermediate_size=64)
     if config.arch != arch:
         raise ValueError(f"arch: {arch!r} does not match config.arch {config.arch!r}")
+    if config.routed_expert_quant is not None:
+        raise ValueError(
+            "config: pass a plain-expert config and experts='mxfp4'; the quantizer makes the "
+            "MXFP4 tensors from random plain weights"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = KimiK3ForCausalLM(config)
     random_init_(model, seed)
     tensors = {}
     for key, t in _checkpoint_tensors(model):
-        tensors[key] = t if key.endswith(_FP32_PARAMS) else t.to(dtype)
+        if experts == "mxfp4" and _EXPERT_WEIGHT.search(key):
+            packed, scale = quantize_mxfp4(t)
+            stem = key.removesuffix(".weight")
+            tensors[stem + ".weight_packed"], tensors[stem + ".weight_scale"] = packed, scale
+        else:
+            tensors[key] = t if key.endswith(_FP32_PARAMS) else t.to(dtype)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     text = config.to_dict()
+    text.pop("tie_word_embeddings")  # a top-level key of the released config.json
+    top: dict = {"tie_word_embeddings": config.tie_word_embeddings}
+    if experts == "mxfp4":
+        top["quantization_config"] = quantization_config_block()
     if arch == "kimi_k3":
         raw = {
             "model_type": "kimi_k3",
             "architectures": ["KimiK3ForConditionalGeneration"],
-            "tie_word_embeddings": False,
+            **top,
             "text_config": text,
         }
     else:
-        raw = {**text, "architectures": ["KimiLinearForCausalLM"]}
+        raw = {**text, **top, "architectures": ["KimiLinearForCausalLM"]}
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return out

@@ -35,6 +35,7 @@ class ForwardMetadata:
         context_lens: tokens each request had in its caches before this step, on the host.
         write_rows: ``[W]`` int64, the rows of ``T`` whose latent this rank writes (all of
             them without DCP), so the cache write needs no boolean mask (a host sync).
+        fresh: ``[B]`` bool, requests with no context (their KDA state starts from zero).
         decode_plan: the step's ``rocm_mla.plan_decode`` for the MLA decode, shared by every
             MLA layer; None when the step is not a uniform decode (each layer then plans).
     """
@@ -48,6 +49,7 @@ class ForwardMetadata:
     num_new: list[int]
     context_lens: list[int]
     write_rows: torch.Tensor
+    fresh: torch.Tensor
     dcp: DecodeMetadata | None = None
     decode_plan: DecodePlan | None = None
 
@@ -99,4 +101,5 @@ class ForwardMetadata:
             num_new=list(num_new),
             context_lens=list(context_lens),
             write_rows=torch.arange(len(slots), dtype=torch.int64, device=device),
+            fresh=torch.tensor([c == 0 for c in context_lens], device=device),
         )

@@ -58,10 +58,10 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_proj = nn.Linear(d, h * qk, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.latent_norm_eps)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.mla_latent_norm_eps)
             self.q_b_proj = nn.Linear(config.q_lora_rank, h * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.latent_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.mla_latent_norm_eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.dv), bias=False)
         if config.mla_use_output_gate:
             self.g_proj = nn.Linear(d, h * self.dv, bias=False)

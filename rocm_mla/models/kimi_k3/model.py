@@ -22,7 +22,14 @@ from rocm_mla.models.kimi_k3.kda import KimiDeltaAttention
 from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
 from rocm_mla.models.kimi_k3.mla import MultiHeadLatentAttention
 from rocm_mla.models.kimi_k3.moe import DenseMLP, MoE
-from rocm_mla.models.kimi_k3.ops import AllReduce, RMSNorm, as_all_reduce
+from rocm_mla.models.kimi_k3.ops import (
+    AllReduce,
+    ParallelLMHead,
+    RMSNorm,
+    VocabParallelEmbedding,
+    as_all_gather,
+    as_all_reduce,
+)
 
 
 def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
@@ -120,7 +127,7 @@ class DecoderLayer(nn.Module):
         slots = meta.state_slots
         conv, rec = conv_cache[slots], rec_cache[slots]
         # A request with no context starts from zero state, whatever its slot held before.
-        fresh = torch.tensor([c == 0 for c in meta.context_lens], device=conv.device)
+        fresh = meta.fresh
         conv = conv.masked_fill(fresh[:, None, None], 0)
         rec = rec.masked_fill(fresh[:, None, None, None], 0)
         num_new = meta.num_new
@@ -181,11 +188,14 @@ class KimiLinearModel(nn.Module):
         all_reduce: AllReduce | None,
         backend: str | None,
         dcp_group: torch.distributed.ProcessGroup | None = None,
+        tp_rank: int = 0,
     ) -> None:
         super().__init__()
         d = config.hidden_size
         if first:
-            self.embed_tokens = nn.Embedding(config.vocab_size, d)
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, d, tp_rank, tp_size, all_reduce
+            )
         self.layers = nn.ModuleDict(
             {
                 str(i): DecoderLayer(config, i, tp_size, all_reduce, backend, dcp_group)
@@ -205,9 +215,15 @@ class KimiK3ForCausalLM(nn.Module):
     Args:
         config: the text config.
         pp_rank, pp_size: this pipeline stage.
-        tp_rank, tp_size: this tensor-parallel rank (heads and intermediate dims sharded).
+        tp_rank, tp_size: this tensor-parallel rank (heads, intermediate dims and the
+            vocabulary of the embedding and LM head sharded).
         all_reduce: a callable summing a tensor over the TP group, or the TP
-            ``torch.distributed`` process group itself; required when ``tp_size > 1``.
+            ``torch.distributed`` process group itself; required when ``tp_size > 1``. The LM
+            head's logit all-gather uses the group directly, or is built on the callable.
+
+    With ``tie_word_embeddings`` the LM head shares the embedding's weight (on a single
+    stage the same parameter; across PP stages the last stage loads its copy from the
+    embedding tensor). Logits are multiplied by ``config.logit_scale``.
         backend: MLA decode backend name for ``rocm_mla.mla_decode`` (None = auto).
         dcp_group: the decode-context-parallel group (a subgroup of the TP group) whose ranks
             each cache a token shard; None (or a group of one) for no DCP.
@@ -226,6 +242,7 @@ class KimiK3ForCausalLM(nn.Module):
         dcp_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        all_gather = as_all_gather(all_reduce, tp_rank, tp_size) if tp_size > 1 else None
         all_reduce = as_all_reduce(all_reduce)
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank: expected 0 <= tp_rank < tp_size={tp_size}, got {tp_rank}")
@@ -245,9 +262,20 @@ class KimiK3ForCausalLM(nn.Module):
             all_reduce,
             backend,
             dcp_group,
+            tp_rank,
         )
         if self.is_last:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(
+                config.vocab_size, config.hidden_size, tp_rank, tp_size, all_gather,
+                config.logit_scale,
+            )  # fmt: skip
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings`` on a stage that has both, make the LM head's weight the
+        embedding's parameter (again: ``Module.to_empty`` replaces parameters one by one)."""
+        if self.config.tie_word_embeddings and self.is_first and self.is_last:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def absorb_weights(self) -> None:
         """Precompute every MLA layer's decode weights; call after loading weights."""

@@ -2,7 +2,9 @@
 
 Tensor parallelism: every expert's and MLP's intermediate dim is split across ranks (gate/up
 rows, down columns), so each rank's output is a partial sum that ``all_reduce`` completes.
-The router and the latent down/up projections are replicated.
+The router and the latent down/up projections are replicated. With
+``routed_expert_quant="mxfp4"`` the routed experts' w1/w2/w3 are ``MXFP4Linear``: packed in
+memory and dequantized per expert, only for the experts a batch routes to.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from rocm_mla.models.kimi_k3.config import KimiK3Config
+from rocm_mla.models.kimi_k3.mxfp4 import MXFP4Linear
 from rocm_mla.models.kimi_k3.ops import AllReduce, RMSNorm, glu_activation, identity_reduce
 
 
@@ -27,13 +30,18 @@ class GLUMLP(nn.Module):
         config: KimiK3Config,
         tp_size: int = 1,
         names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        mxfp4: bool = False,
     ) -> None:
         super().__init__()
         local = intermediate // tp_size
         self._names = names
-        setattr(self, names[0], nn.Linear(in_dim, local, bias=False))
-        setattr(self, names[1], nn.Linear(in_dim, local, bias=False))
-        setattr(self, names[2], nn.Linear(local, in_dim, bias=False))
+
+        def linear(i: int, o: int) -> nn.Module:
+            return MXFP4Linear(i, o) if mxfp4 else nn.Linear(i, o, bias=False)
+
+        setattr(self, names[0], linear(in_dim, local))
+        setattr(self, names[1], linear(in_dim, local))
+        setattr(self, names[2], linear(local, in_dim))
         self.act = config.hidden_act
         self.beta = config.activation_situ_beta
         self.linear_beta = config.activation_situ_linear_beta
@@ -116,8 +124,11 @@ class MoE(nn.Module):
         d = config.hidden_size
         expert_dim = self.latent or d
         self.gate = Router(config)
+        mxfp4 = config.routed_expert_quant == "mxfp4"
         self.experts = nn.ModuleList(
-            GLUMLP(expert_dim, config.moe_intermediate_size, config, tp_size, ("w1", "w3", "w2"))
+            GLUMLP(
+                expert_dim, config.moe_intermediate_size, config, tp_size, ("w1", "w3", "w2"), mxfp4
+            )
             for _ in range(config.num_experts)
         )
         self.shared_experts = (
@@ -133,12 +144,37 @@ class MoE(nn.Module):
             )
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial ``sum_k w_k E_{ids_k}(x)`` for ``x [T, d_e]`` -> ``[T, d_e]``."""
+        """This rank's partial ``sum_k w_k E_{ids_k}(x)`` for ``x [T, d_e]`` -> ``[T, d_e]``.
+
+        Two schedules, the same sum. Sparse: each routed expert on its own tokens; finding
+        them reads the routing back to the host (a sync per expert on a GPU). Dense: every
+        expert on every token, weighted by a ``[T, E]`` combine matrix that is 0 where it
+        was not chosen; no sync, so a decode step can be captured in a CUDA/HIP graph. Dense
+        is taken when ``T * top_k`` reaches the expert count (a decode batch then touches
+        about every expert's weights anyway, and weight reads bound the cost) and always
+        while a graph is being captured.
+        """
+        num_experts = len(self.experts)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or ids.numel() >= num_experts:
+            return self._routed_dense(x, weights, ids)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
             y = self.experts[e](x[tok]) * weights[tok, slot, None].to(x.dtype)
             out.index_add_(0, tok, y)
+        return out
+
+    def _routed_dense(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        combine = torch.zeros(x.shape[0], len(self.experts), device=x.device)
+        combine.scatter_add_(1, ids, weights.to(combine.dtype))  # [T, E]
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            w = combine[:, e, None]
+            # Tokens that did not choose e take nothing from it, not even an overflow's NaN.
+            out += torch.where(w != 0, expert(x) * w.to(x.dtype), 0.0)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
