@@ -27,14 +27,13 @@ from rocm_mla.inputs import (
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can run, as data (``None`` = no restriction)."""
+    """What a backend can run, as data. Limits that are not plain sets (AITER's head counts
+    and verify-window lengths per cache type, known kernel bugs) are the backend's own
+    ``unsupported_reasons``."""
 
     platforms: tuple[str, ...]  #: platform kinds: "cpu", "cuda", "hip"
     q_dtypes: tuple[torch.dtype, ...]
     kv_dtypes: tuple[torch.dtype, ...]
-    block_sizes: tuple[int, ...] | None = None
-    num_heads: tuple[int, ...] | None = None
-    max_q_len: int | None = None
 
 
 def device_kind(device: torch.device) -> str:
@@ -123,16 +122,6 @@ class MLADecodeImpl:
             reasons.append(f"q dtype {spec.q_dtype}, supported: {_names(caps.q_dtypes)}")
         if spec.kv_dtype not in caps.kv_dtypes:
             reasons.append(f"kv_cache dtype {spec.kv_dtype}, supported: {_names(caps.kv_dtypes)}")
-        if (
-            caps.block_sizes is not None
-            and spec.block_size is not None
-            and spec.block_size not in caps.block_sizes
-        ):
-            reasons.append(f"block size {spec.block_size}, supported: {caps.block_sizes}")
-        if caps.num_heads is not None and spec.num_heads not in caps.num_heads:
-            reasons.append(f"{spec.num_heads} heads, supported: {caps.num_heads}")
-        if caps.max_q_len is not None and spec.q_len > caps.max_q_len:
-            reasons.append(f"q_len {spec.q_len}, supported: up to {caps.max_q_len}")
         return reasons
 
     @classmethod

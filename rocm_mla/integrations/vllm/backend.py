@@ -54,7 +54,6 @@ from rocm_mla.inputs import (
     FP8_DTYPES,
     Q_DTYPES,
     DecodePlan,
-    debug_checks_enabled,
     prepare_decode,
 )
 
@@ -222,14 +221,9 @@ class RocmMLABackend(MLACommonBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        try:
-            decoder = _explicit_decoder()
-        except ValueError:
-            # A bad ROCM_MLA_BACKEND is reported by validate_configuration, which calls this.
-            return [MultipleOf(1)]
-        if decoder is None or decoder.capabilities.block_sizes is None:
-            return [MultipleOf(1)]
-        return list(decoder.capabilities.block_sizes)
+        # Every rocm_mla backend pages through any block size (AITER flattens the table to
+        # page size 1 itself).
+        return [MultipleOf(1)]
 
     @classmethod
     def validate_configuration(
@@ -302,14 +296,6 @@ class RocmMLABackend(MLACommonBackend):
             reasons.append(
                 f"{prefix} kv_cache_dtype {kv_cache_dtype} not supported "
                 f"(supported: {', '.join(map(_dtype_name, caps.kv_dtypes))})"
-            )
-        if (
-            block_size is not None
-            and caps.block_sizes is not None
-            and block_size not in caps.block_sizes
-        ):
-            reasons.append(
-                f"{prefix} block size {block_size} not supported (supported: {caps.block_sizes})"
             )
         return reasons
 
@@ -475,13 +461,6 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
             )
             for name in names
         }
-        allowed = backend_class(names[0]).capabilities.num_heads
-        if len(names) == 1 and allowed is not None and kernel_heads not in allowed:
-            raise ValueError(
-                f"ROCM_MLA_BACKEND={names[0]} cannot decode {kernel_heads} query heads "
-                f"({num_heads} per rank x DCP {self.dcp_world_size}); supported: {allowed}. "
-                "Set ROCM_MLA_BACKEND to another backend or to auto"
-            )
         self._log = _CallLog()
 
     def do_kv_cache_update(
@@ -568,17 +547,6 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
             )
         q4 = q.reshape(num_decodes, plan.spec.q_len, num_heads, head_dim)
         kv_scale = layer._k_scale_float if is_quantized_kv_cache(self.kv_cache_dtype) else None
-        problem = prepare_decode(
-            q4,
-            kv_c_and_k_pe_cache,
-            decode.block_table,
-            decode.seq_lens,
-            head_dim_v=self.kv_lora_rank,
-            softmax_scale=self.scale,
-            causal=attn_metadata.causal,
-            kv_scale=kv_scale,
-            check_values=debug_checks_enabled(),
-        )
         decoder = self._decoders.get(plan.backend)
         if decoder is None:
             raise ValueError(
@@ -588,6 +556,19 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
             )
         decoder.dcp_world_size, decoder.dcp_rank = self.dcp_world_size, self.dcp_rank
         self._log("forward_mqa", decoder.name, rows)
+        # Shapes only, no value read (ROCM_MLA_DEBUG=1 adds the value and finiteness
+        # checks). Not decoder.forward: under DCP the gathered head count is vLLM's to set.
+        problem = prepare_decode(
+            q4,
+            kv_c_and_k_pe_cache,
+            decode.block_table,
+            decode.seq_lens,
+            head_dim_v=self.kv_lora_rank,
+            softmax_scale=self.scale,
+            causal=attn_metadata.causal,
+            kv_scale=kv_scale,
+            check_values=False,
+        )
         out, lse = decoder.run(problem, plan)
         return out.reshape(rows, num_heads, self.kv_lora_rank), lse.reshape(rows, num_heads)
 
