@@ -72,6 +72,15 @@ def recording_stub(folder: Path, name: str, log: Path, rc: int = 0, then: str = 
     )
 
 
+def recording_bin(tmp_path: Path, name: str, *commands: str) -> tuple[dict[str, str], Path]:
+    """A folder `name` of recording stubs put first on PATH; returns (env, their shared log)."""
+    bin_dir, log = tmp_path / name, tmp_path / f"{name}.jsonl"
+    bin_dir.mkdir()
+    for command in commands:
+        recording_stub(bin_dir, command, log)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
+
+
 def calls(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
@@ -226,11 +235,7 @@ def test_entrypoint_healthcheck_hits_health_endpoint():
 @pytest.fixture
 def stubs(tmp_path):
     """A bin folder with recording `vllm` and `rocm-mla` stubs; returns (env, log)."""
-    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
-    bin_dir.mkdir()
-    recording_stub(bin_dir, "vllm", log)
-    recording_stub(bin_dir, "rocm-mla", log)
-    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
+    return recording_bin(tmp_path, "bin", "vllm", "rocm-mla")
 
 
 def entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -328,10 +333,7 @@ def test_entrypoint_stops_when_rocm_mla_info_fails(stubs, tmp_path):
 
 @pytest.fixture
 def docker_stub(tmp_path):
-    bin_dir, log = tmp_path / "dbin", tmp_path / "docker.jsonl"
-    bin_dir.mkdir()
-    recording_stub(bin_dir, "docker", log)
-    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
+    return recording_bin(tmp_path, "dbin", "docker")
 
 
 @pytest.mark.parametrize(
@@ -510,16 +512,16 @@ def free_port() -> int:
 
 @pytest.mark.slow  # the script polls the servers' /health every 5 s
 def test_smoke_real_steps_use_both_backends_and_the_entrypoint(tmp_path):
-    bin_dir, log, results = tmp_path / "bin", tmp_path / "calls.jsonl", tmp_path / "results"
-    bin_dir.mkdir()
+    env, log = recording_bin(tmp_path, "bin")
+    bin_dir, results = tmp_path / "bin", tmp_path / "results"
     python = shlex.quote(sys.executable)
     recording_stub(bin_dir, "python3", log, then=FAKE_PYTHON3 % python)
     recording_stub(bin_dir, "rocm-mla", log, then=FAKE_ROCM_MLA)
     server = f'exec {python} -c {shlex.quote(FAKE_VLLM_SERVER)} "$@"'
     recording_stub(bin_dir, "vllm", log, then=server)
     port = str(free_port())
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "RESULTS_DIR": str(results)}
-    result = run(["bash", str(DOCKER / "smoke.sh")], {**env, "SMOKE_PORT": port})
+    env = {**env, "RESULTS_DIR": str(results), "SMOKE_PORT": port}
+    result = run(["bash", str(DOCKER / "smoke.sh")], env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert ran_steps(result.stdout) == SMOKE_STEPS
     assert "smoke: the backends agree on the first 4 of 4 tokens" in result.stdout
