@@ -16,7 +16,7 @@ when they import:
 - ``aiter``: AITER's ``mla_decode_fwd`` on ROCm, through our ``aiter`` backend.
 
 Timing is kernel-only: inputs are validated and planned outside; median over repeats after
-warmup, caches flushed before every timed call. Per DESIGN.md "Measuring":
+warmup, caches flushed before every timed call. The roofline numbers:
 
     bytes  = sum(len) * D * kv_bytes + B * S_q * H * (D * q_bytes + Dv * out_bytes)
     FLOPs  = S_q * sum(len) * H * 2 * (D + Dv)           (QK^T over D, PV over Dv)

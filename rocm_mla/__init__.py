@@ -1,4 +1,7 @@
-"""rocm-mla: AMD-first MLA decode behind one context-parallel normalization contract."""
+"""rocm-mla: AMD-first MLA decode behind one context-parallel normalization contract.
+
+Architecture (layers, data flow, contracts): docs/architecture.md.
+"""
 
 from rocm_mla.api import DecodePlan, available_backends, merge_states, mla_decode, plan_decode
 from rocm_mla.contract import normalize_cp

@@ -1,4 +1,5 @@
-"""The public kernel entry points. A user learns the package from this file.
+"""The public kernel entry points. A user learns the package from this file (and the data
+flow of one call from docs/architecture.md, "One mla_decode call").
 
 Shapes (DeepSeek/Kimi absorbed MLA): ``D = head_dim_v + rope_dim`` = 512 + 64 = 576; the KV
 cache holds one latent row of ``D`` values per token, its first ``head_dim_v`` columns are V.

@@ -1,4 +1,4 @@
-"""Hardware markers skip with a reason that says what is missing."""
+"""Shared fixtures, and hardware markers that skip with a reason saying what is missing."""
 
 from __future__ import annotations
 
@@ -34,3 +34,11 @@ def pytest_collection_modifyitems(config, items):
                 reason = _skip_reason(marker)
                 if reason:
                     item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="module")
+def k3_dir(tmp_path_factory):
+    """A tiny random Kimi-K3 checkpoint folder (config.json + model.safetensors)."""
+    from rocm_mla.models.kimi_k3.loader import make_tiny  # only the tests that ask load it
+
+    return make_tiny("kimi_k3", tmp_path_factory.mktemp("k3"), seed=3)

@@ -15,6 +15,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -55,8 +56,9 @@ def write_stub(folder: Path, name: str, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
-def recording_stub(folder: Path, name: str, log: Path, rc: int = 0) -> None:
-    """Stub `name` that appends one JSON line {cmd, args, env} to `log`, then exits `rc`."""
+def recording_stub(folder: Path, name: str, log: Path, rc: int = 0, then: str = "") -> None:
+    """Stub `name` that appends one JSON line {cmd, args, env} to `log`, runs the bash `then`,
+    then exits `rc`."""
     recorder = (
         "import json, os, sys; "
         f"open({str(log)!r}, 'a').write(json.dumps({{'cmd': {name!r}, 'args': sys.argv[1:], "
@@ -64,8 +66,19 @@ def recording_stub(folder: Path, name: str, log: Path, rc: int = 0) -> None:
         " + '\\n')"
     )
     write_stub(
-        folder, name, f'{shlex.quote(sys.executable)} -c {shlex.quote(recorder)} "$@"\nexit {rc}'
+        folder,
+        name,
+        f'{shlex.quote(sys.executable)} -c {shlex.quote(recorder)} "$@"\n{then}\nexit {rc}',
     )
+
+
+def recording_bin(tmp_path: Path, name: str, *commands: str) -> tuple[dict[str, str], Path]:
+    """A folder `name` of recording stubs put first on PATH; returns (env, their shared log)."""
+    bin_dir, log = tmp_path / name, tmp_path / f"{name}.jsonl"
+    bin_dir.mkdir()
+    for command in commands:
+        recording_stub(bin_dir, command, log)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
 
 
 def calls(log: Path) -> list[dict]:
@@ -222,11 +235,7 @@ def test_entrypoint_healthcheck_hits_health_endpoint():
 @pytest.fixture
 def stubs(tmp_path):
     """A bin folder with recording `vllm` and `rocm-mla` stubs; returns (env, log)."""
-    bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
-    bin_dir.mkdir()
-    recording_stub(bin_dir, "vllm", log)
-    recording_stub(bin_dir, "rocm-mla", log)
-    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
+    return recording_bin(tmp_path, "bin", "vllm", "rocm-mla")
 
 
 def entrypoint(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -324,15 +333,26 @@ def test_entrypoint_stops_when_rocm_mla_info_fails(stubs, tmp_path):
 
 @pytest.fixture
 def docker_stub(tmp_path):
-    bin_dir, log = tmp_path / "dbin", tmp_path / "docker.jsonl"
-    bin_dir.mkdir()
-    recording_stub(bin_dir, "docker", log)
-    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
+    return recording_bin(tmp_path, "dbin", "docker")
 
 
-def test_run_script_defaults_to_the_rocm_device_nodes():
-    text = (DOCKER / "run-mi300x.sh").read_text()
-    assert '"${KFD_DEVICE:-/dev/kfd}"' in text and '"${DRI_DEVICE:-/dev/dri}"' in text
+@pytest.mark.parametrize(
+    ("variable", "default"), [("KFD_DEVICE", "/dev/kfd"), ("DRI_DEVICE", "/dev/dri")]
+)
+def test_run_script_defaults_to_the_rocm_device_nodes(docker_stub, tmp_path, variable, default):
+    """With the variable unset the script uses the host's node: it passes it to docker when
+    the node exists (a ROCm host) and refuses naming it when it does not (this machine)."""
+    env, log = docker_stub
+    devices = device_env(tmp_path)
+    del devices[variable]
+    result = run(["bash", str(DOCKER / "run-mi300x.sh")], {**env, **devices, "DRY_RUN": "1"})
+    if Path(default).exists():
+        assert result.returncode == 0, result.stderr
+        assert f"--device {default} " in result.stdout
+    else:
+        assert result.returncode == 1
+        assert f"{default} not found" in result.stderr
+    assert calls(log) == []  # a dry run never runs docker
 
 
 def test_run_script_refuses_without_kfd(docker_stub, tmp_path):
@@ -444,15 +464,85 @@ def test_smoke_reports_all_failed_steps(tmp_path):
     assert "smoke: FAILED steps: info compare" in result.stdout
 
 
-def test_smoke_real_steps_use_both_backends_and_the_entrypoint():
-    text = (DOCKER / "smoke.sh").read_text()
-    for step in SMOKE_STEPS:
-        assert f"step_{step}()" in text
-    assert "serve_and_complete aiter" in text and "serve_and_complete triton" in text
-    assert '-m "rocm or gpu"' in text and "--junitxml=" in text
-    assert "benchmarks.kernel_roofline --out" in text
-    assert "rocm-mla make-tiny --arch" in text
-    assert '"$here/entrypoint.sh" "$tiny"' in text
+# Stand-ins for the tools the real smoke steps call. `python3 -m ...` (pytest, the benchmark)
+# writes what the step checks for; any other python3 call (the completion and compare
+# scripts, the entrypoint's healthcheck) runs the real interpreter.
+FAKE_PYTHON3 = """
+if [[ "$1" == -m ]]; then
+    for arg in "$@"; do [[ "$arg" != --junitxml=* ]] || touch "${arg#--junitxml=}"; done
+    if [[ "$2" == benchmarks.kernel_roofline ]]; then
+        mkdir -p "$4" && touch "$4/roofline.json" "$4/roofline.png"
+    fi
+    exit 0
+fi
+exec %s "$@"
+"""
+FAKE_ROCM_MLA = """
+if [[ "$1" == make-tiny ]]; then
+    while [[ $# -gt 0 && "$1" != --out ]]; do shift; done
+    mkdir -p "$2" && echo '{}' >"$2/config.json"
+fi
+"""
+# `vllm serve ... --port P`: an OpenAI-style server on 127.0.0.1:P that answers /health and
+# one completion with token ids.
+FAKE_VLLM_SERVER = """
+import http.server, json, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Handler(http.server.BaseHTTPRequestHandler):
+    def reply(self, code, body=b""):
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        self.reply(200 if self.path == "/health" else 404)
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.reply(200, json.dumps({"choices": [{"token_ids": [5, 6, 7, 8]}]}).encode())
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow  # the script polls the servers' /health every 5 s
+def test_smoke_real_steps_use_both_backends_and_the_entrypoint(tmp_path):
+    env, log = recording_bin(tmp_path, "bin")
+    bin_dir, results = tmp_path / "bin", tmp_path / "results"
+    python = shlex.quote(sys.executable)
+    recording_stub(bin_dir, "python3", log, then=FAKE_PYTHON3 % python)
+    recording_stub(bin_dir, "rocm-mla", log, then=FAKE_ROCM_MLA)
+    server = f'exec {python} -c {shlex.quote(FAKE_VLLM_SERVER)} "$@"'
+    recording_stub(bin_dir, "vllm", log, then=server)
+    port = str(free_port())
+    env = {**env, "RESULTS_DIR": str(results), "SMOKE_PORT": port}
+    result = run(["bash", str(DOCKER / "smoke.sh")], env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ran_steps(result.stdout) == SMOKE_STEPS
+    assert "smoke: the backends agree on the first 4 of 4 tokens" in result.stdout
+
+    made = [c for c in calls(log) if c["args"][:1] in (["-m"], ["make-tiny"], ["serve"])]
+    pytest_call, bench, tiny, *serves = (c["args"] for c in made)
+    assert pytest_call[:3] == ["-m", "pytest", str(ROOT / "tests")]
+    assert "rocm or gpu" in pytest_call and f"--junitxml={results}/junit-gpu.xml" in pytest_call
+    assert bench == ["-m", "benchmarks.kernel_roofline", "--out", f"{results}/bench"]
+    assert tiny == ["make-tiny", "--arch", "kimi_linear", "--out", f"{results}/work/tiny"]
+    # Each backend is served through the entrypoint (rocm-mla info first, then vllm serve).
+    serving = [c for c in calls(log) if c["cmd"] == "vllm" or c["args"] == ["info"]]
+    assert [c["cmd"] for c in serving] == ["rocm-mla", "rocm-mla", "vllm", "rocm-mla", "vllm"]
+    vllm_calls = [c for c in serving if c["cmd"] == "vllm"]
+    assert [c["env"]["ROCM_MLA_BACKEND"] for c in vllm_calls] == ["aiter", "triton"]
+    for serve in serves:
+        assert serve[1] == f"{results}/work/tiny" and serve_flags(serve)["--port"] == port
+        assert "--enforce-eager" in serve and "--skip-tokenizer-init" in serve
+    for backend in ("aiter", "triton"):
+        payload = json.loads((results / f"completion-{backend}.json").read_text())
+        assert payload["choices"][0]["token_ids"] == [5, 6, 7, 8]
 
 
 # --- workflows ------------------------------------------------------------------------------

@@ -105,11 +105,6 @@ def test_tp_shard_rules():
         assert tp_shard_dim(replicated) is None
 
 
-@pytest.fixture(scope="module")
-def k3_dir(tmp_path_factory):
-    return make_tiny("kimi_k3", tmp_path_factory.mktemp("k3"), seed=1)
-
-
 def _logits(model):
 
     with torch.no_grad():

@@ -15,11 +15,6 @@ BLOCK, MAX_BLOCKS = 4, 8
 
 
 @pytest.fixture(scope="module")
-def k3_dir(tmp_path_factory):
-    return make_tiny("kimi_k3", tmp_path_factory.mktemp("k3"), seed=3)
-
-
-@pytest.fixture(scope="module")
 def k3(k3_dir):
     return load_model(k3_dir)
 

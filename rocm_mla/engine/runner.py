@@ -1,7 +1,7 @@
 """The runner: the one place that turns requests into per-step forward metadata.
 
 Positions, slot mappings, block tables, ``seq_lens`` and the DCP rank-local lengths are
-computed here and nowhere else (DESIGN.md contract 2): the slot mapping and the local
+computed here and nowhere else (contract 2 of docs/architecture.md): the slot mapping and the local
 lengths come from ``rocm_mla.dcp`` (``slot_mapping``, ``DecodeMetadata.build``), never
 re-derived. Every rank holds an identical ``Runner`` fed the same requests in the same order,
 so block ids and state slots agree across ranks; only the DCP rank changes what a rank writes

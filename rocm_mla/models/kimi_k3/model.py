@@ -33,7 +33,7 @@ from rocm_mla.models.kimi_k3.ops import (
 
 
 def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """Layers ``[start, end)`` of pipeline stage ``pp_rank`` (DESIGN.md contract 3).
+    """Layers ``[start, end)`` of pipeline stage ``pp_rank`` (contract 3 of docs/architecture.md).
 
     ``num_layers // pp_size`` each; the remainder adds one layer each to the second-to-last,
     third-to-last, ... stage (never the last, which also carries the LM head). 93 layers over

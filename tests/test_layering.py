@@ -1,0 +1,198 @@
+"""No module imports from a floor above its own (the floors: docs/architecture.md, "Layers").
+
+Every ``import`` in rocm_mla/ and kernels/ (installed as ``rocm_mla.kernels``) is read with
+``ast``, at module level and inside functions alike (a lazy import is still a dependency), and
+resolved to the package module it names. A module may import from its own floor or any floor
+below. A module that sits on no floor fails too, so a new module gets placed on purpose.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Source folder -> the package name it is installed under (pyproject's package-dir).
+SOURCES = {ROOT / "rocm_mla": "rocm_mla", ROOT / "kernels": "rocm_mla.kernels"}
+
+# Lowest floor first. A module belongs to the floor of its longest matching prefix, except
+# the package root: a facade that re-exports the api and (lazily) the engine, it is the top
+# floor and holds only itself.
+ROOT_PACKAGE = "rocm_mla"
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "foundation",
+        (
+            "rocm_mla.inputs",
+            "rocm_mla.contract",
+            "rocm_mla.merge",
+            "rocm_mla.platform",
+            "rocm_mla.distributed",
+        ),
+    ),
+    ("kernels", ("rocm_mla.kernels",)),
+    ("backends", ("rocm_mla.backends",)),
+    ("api", ("rocm_mla.api",)),
+    ("dcp", ("rocm_mla.dcp",)),
+    ("models", ("rocm_mla.models",)),
+    ("engine", ("rocm_mla.engine",)),
+    ("integrations and cli", ("rocm_mla.integrations", "rocm_mla.cli")),
+    ("package root", ()),
+]
+
+# Upward imports that exist today, each to be removed by the code that owns it:
+# - engine/llm.py `import rocm_mla` reads only `rocm_mla.__file__` (to put the package on the
+#   workers' PYTHONPATH); the path is reachable from the engine's own __file__.
+KNOWN_UPWARD = {("rocm_mla.engine.llm", "rocm_mla")}
+
+
+@dataclass(frozen=True)
+class Upward:
+    module: str
+    line: int
+    imported: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.module}:{self.line} ({floor_name(self.module)}) imports {self.imported} "
+            f"({floor_name(self.imported)})"
+        )
+
+
+def floor_of(module: str) -> int | None:
+    if module == ROOT_PACKAGE:
+        return len(FLOORS) - 1
+    best: tuple[int, int] | None = None  # (prefix length, floor index)
+    for index, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            matches = module == prefix or module.startswith(prefix + ".")
+            if matches and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), index)
+    return None if best is None else best[1]
+
+
+def floor_name(module: str) -> str:
+    index = floor_of(module)
+    return "no floor" if index is None else FLOORS[index][0]
+
+
+def package_modules() -> dict[str, tuple[Path, bool]]:
+    """Installed module name -> (source file, is a package __init__)."""
+    modules = {}
+    for folder, package in SOURCES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts.pop()
+            modules[".".join([package, *parts])] = (path, is_package)
+    return modules
+
+
+def imported_modules(module: str, source: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, module name) for every rocm_mla import in `source`, wherever it stands."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            # `from pkg import name` imports the submodule pkg.name when there is one; the
+            # floor lookup by prefix makes either reading land on the right floor.
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return [(line, name) for line, name in found if name.split(".")[0] == "rocm_mla"]
+
+
+def imported_target(name: str, modules: Collection[str]) -> str:
+    """The package module an imported dotted name resolves to: itself, or the nearest parent
+    (`rocm_mla.api.mla_decode` -> `rocm_mla.api`; a name re-exported by the root -> the root).
+    """
+    while name not in modules and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def upward_imports(
+    module: str, source: str, is_package: bool = False, modules: Collection[str] | None = None
+) -> list[Upward]:
+    modules = package_modules() if modules is None else modules
+    own = floor_of(module)
+    assert own is not None, f"{module} is on no floor: add it to FLOORS in {__file__}"
+    upward = []
+    for line, name in imported_modules(module, source, is_package):
+        target = imported_target(name, modules)
+        if floor_of(target) is None or floor_of(target) > own:
+            upward.append(Upward(module, line, target))
+    return upward
+
+
+def test_every_module_sits_on_a_floor():
+    unplaced = [m for m in package_modules() if floor_of(m) is None]
+    assert not unplaced, f"modules on no floor (add them to FLOORS): {unplaced}"
+
+
+def test_no_module_imports_from_a_higher_floor():
+    modules = package_modules()
+    found = set()
+    problems = []
+    for module, (path, is_package) in modules.items():
+        for upward in upward_imports(module, path.read_text(), is_package, modules):
+            if (module, upward.imported) in KNOWN_UPWARD:
+                found.add((module, upward.imported))
+            else:
+                problems.append(str(upward))
+    assert not problems, "upward imports:\n" + "\n".join(problems)
+    # A known exception that is gone must leave the list, so the list stays true.
+    assert found == KNOWN_UPWARD, f"no longer imported upward: {KNOWN_UPWARD - found}"
+
+
+@pytest.mark.parametrize(
+    ("module", "is_package", "source", "imported"),
+    [
+        ("rocm_mla.inputs", False, "from rocm_mla.engine import LLM\n", "rocm_mla.engine"),
+        (
+            "rocm_mla.backends.triton",
+            False,
+            "import torch\n\ndef run():\n    import rocm_mla.dcp\n",
+            "rocm_mla.dcp",
+        ),
+        (
+            "rocm_mla.kernels.mla_decode",
+            False,
+            "from ..backends import base\n",
+            "rocm_mla.backends.base",
+        ),
+        ("rocm_mla.backends", True, "from ..models import kimi_k3\n", "rocm_mla.models.kimi_k3"),
+        ("rocm_mla.api", False, "from rocm_mla import cli\n", "rocm_mla.cli"),
+        ("rocm_mla.dcp.layout", False, "from rocm_mla import LLM\n", "rocm_mla"),
+    ],
+)
+def test_the_check_finds_a_synthetic_upward_import(module, is_package, source, imported):
+    (upward,) = upward_imports(module, source, is_package)
+    assert (upward.module, upward.imported) == (module, imported)
+    assert floor_of(upward.imported) > floor_of(module)
+    assert "imports" in str(upward)
+
+
+def test_the_check_allows_same_and_lower_floors():
+    source = (
+        "from rocm_mla.inputs import prepare_decode\n"
+        "from . import base\n"
+        "from rocm_mla.kernels.mla_decode import decode\n"
+        "import torch\n"
+    )
+    assert upward_imports("rocm_mla.backends.triton", source) == []
+
+
+def test_a_module_on_no_floor_is_refused():
+    with pytest.raises(AssertionError, match="on no floor"):
+        upward_imports("elsewhere.module", "import os\n")
