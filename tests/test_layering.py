@@ -44,10 +44,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("package root", ()),
 ]
 
-# Upward imports that exist today, each to be removed by the code that owns it:
-# - engine/llm.py `import rocm_mla` reads only `rocm_mla.__file__` (to put the package on the
-#   workers' PYTHONPATH); the path is reachable from the engine's own __file__.
-KNOWN_UPWARD = {("rocm_mla.engine.llm", "rocm_mla")}
+# Upward imports that exist today, each to be removed by the code that owns it (none now).
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import rocm_mla
 from rocm_mla.backends import requested_backend
 from rocm_mla.dcp import check_block_size
 from rocm_mla.distributed import (
@@ -245,7 +244,7 @@ class WorkerGroup:
         token = secrets.token_bytes(32)
         env = dict(os.environ)
         # The workers import this very package, wherever the caller found it.
-        root = str(Path(rocm_mla.__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding rocm_mla/
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         pin_gloo_to_loopback(env)
         threads = None

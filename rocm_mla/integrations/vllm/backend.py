@@ -42,7 +42,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
-import rocm_mla
+from rocm_mla.api import plan_decode
 from rocm_mla.backends import (
     BACKEND_NAMES,
     MLADecodeImpl,
@@ -177,7 +177,7 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             kv_dtype = current_platform.fp8_dtype()
         else:
             kv_dtype = self.kv_cache_spec.dtype
-        return rocm_mla.plan_decode(
+        return plan_decode(
             seq_lens,
             q_len=num_decode_tokens // batch,
             num_heads=self.num_heads * self.dcp_world_size,
