@@ -16,6 +16,9 @@ from rocm_mla.models.kimi_k3.config import KimiK3Config
 from rocm_mla.models.kimi_k3.mxfp4 import MXFP4Linear
 from rocm_mla.models.kimi_k3.ops import AllReduce, RMSNorm, glu_activation, identity_reduce
 
+#: Largest batch of tokens the MoE runs in its dense (sync-free) schedule outside capture.
+DENSE_MAX_TOKENS = 64
+
 
 class GLUMLP(nn.Module):
     """``down(act(gate(x), up(x)))`` with this rank's ``intermediate / tp_size`` columns.
@@ -150,13 +153,14 @@ class MoE(nn.Module):
         them reads the routing back to the host (a sync per expert on a GPU). Dense: every
         expert on every token, weighted by a ``[T, E]`` combine matrix that is 0 where it
         was not chosen; no sync, so a decode step can be captured in a CUDA/HIP graph. Dense
-        is taken when ``T * top_k`` reaches the expert count (a decode batch then touches
-        about every expert's weights anyway, and weight reads bound the cost) and always
-        while a graph is being captured.
+        is taken for decode-sized batches (at most ``DENSE_MAX_TOKENS`` tokens) whose
+        ``T * top_k`` reaches the expert count: they touch about every expert's weights
+        anyway, and weight reads, not the ``E / top_k`` times larger math, bound the cost.
+        A prefill stays sparse. Dense is always taken while a graph is being captured.
         """
-        num_experts = len(self.experts)
+        num_experts, tokens = len(self.experts), x.shape[0]
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing or ids.numel() >= num_experts:
+        if capturing or (tokens <= DENSE_MAX_TOKENS and ids.numel() >= num_experts):
             return self._routed_dense(x, weights, ids)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
