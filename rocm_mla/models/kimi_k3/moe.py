@@ -153,14 +153,16 @@ class MoE(nn.Module):
         them reads the routing back to the host (a sync per expert on a GPU). Dense: every
         expert on every token, weighted by a ``[T, E]`` combine matrix that is 0 where it
         was not chosen; no sync, so a decode step can be captured in a CUDA/HIP graph. Dense
-        is taken for decode-sized batches (at most ``DENSE_MAX_TOKENS`` tokens) whose
-        ``T * top_k`` reaches the expert count: they touch about every expert's weights
+        is taken on a GPU for decode-sized batches (at most ``DENSE_MAX_TOKENS`` tokens)
+        whose ``T * top_k`` reaches the expert count: they touch about every expert's weights
         anyway, and weight reads, not the ``E / top_k`` times larger math, bound the cost.
-        A prefill stays sparse. Dense is always taken while a graph is being captured.
+        A prefill, and anything on the CPU (no syncs to save, math-bound), stays sparse.
+        Dense is always taken while a graph is being captured.
         """
         num_experts, tokens = len(self.experts), x.shape[0]
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing or (tokens <= DENSE_MAX_TOKENS and ids.numel() >= num_experts):
+        small = x.is_cuda and tokens <= DENSE_MAX_TOKENS and ids.numel() >= num_experts
+        if capturing or small:
             return self._routed_dense(x, weights, ids)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
