@@ -29,6 +29,39 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 Q_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
 
+#: Bits a backend ORs into a call's ``fault_flag`` (int32 ``[1]`` on q's device) when a row may
+#: see a key it must not read. The key is never read; the rows that may see it come out NaN.
+#: A visible key's block id is outside ``[0, num_blocks)``:
+FAULT_BLOCK_ID = 1
+#: A visible key lies beyond the block table's capacity (``max_blocks * block_size``):
+FAULT_BEYOND_TABLE = 2
+#: (torch backend, planned) a length above the plan's ``max_seqlen``, which it does not cover:
+FAULT_BEYOND_PLAN = 4
+_FAULT_TEXT = {
+    FAULT_BLOCK_ID: "a block id a row may see is outside [0, num_blocks)",
+    FAULT_BEYOND_TABLE: "a length exceeds the block table's capacity (max_blocks * block_size)",
+    FAULT_BEYOND_PLAN: "a length exceeds the plan's max_seqlen (re-plan the step)",
+}
+
+
+class KVBoundsError(ValueError):
+    """A decode call was asked to read outside its KV cache or block table (see ``FAULT_*``)."""
+
+
+def raise_on_fault(fault_flag: torch.Tensor, where: str) -> None:
+    """Raise ``KVBoundsError`` naming every fault bit set in ``fault_flag``; no-op when 0.
+
+    Reads the flag back to the host (one sync): call it where the caller syncs anyway.
+    """
+    bits = int(fault_flag.reshape(-1)[0])
+    if bits:
+        causes = "; ".join(text for bit, text in _FAULT_TEXT.items() if bits & bit)
+        raise KVBoundsError(
+            f"{where}: the decode skipped keys outside the KV cache ({causes}); the affected "
+            f"rows are NaN. Fix the block table / lengths the scheduler passed "
+            f"(ROCM_MLA_DEBUG=1 names the request)"
+        )
+
 
 def debug_checks_enabled() -> bool:
     """Whether ``ROCM_MLA_DEBUG`` asks for the value and finiteness checks on every call."""
@@ -96,6 +129,8 @@ class DecodeProblem:
     softmax_scale: float
     causal: bool
     kv_scale: float | None  #: per-tensor dequant scale of an fp8 cache, else None
+    #: int32 ``[1]`` on q's device that the backend ORs ``FAULT_*`` bits into, or None
+    fault_flag: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
