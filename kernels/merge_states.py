@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from rocm_mla.kernels.target import TritonTarget, triton_target
+from rocm_mla.merge import check_merge_args
 
 
 def merge_launch_options(target: TritonTarget | None) -> dict:
@@ -183,13 +184,11 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
     Returns:
         ``(out [...rows, Dv] in outs' dtype, lse [...rows] float32)``. Partials with lse -inf
         contribute nothing; a NaN or +inf lse, or a NaN output with weight > 0, makes the row
-        NaN (out and lse); a row whose partials are all empty gives out 0, lse -inf.
+        NaN (out and lse); a row whose partials are all empty (every row when N = 0) gives
+        out 0, lse -inf. Arguments are checked as ``rocm_mla.merge_states`` does
+        (``check_merge_args``).
     """
-    if outs.dim() < 2 or lses.shape != outs.shape[:-1]:
-        raise ValueError(
-            "merge_states: outs must be [N, ...rows, Dv] and lses [N, ...rows], got outs "
-            f"{tuple(outs.shape)} and lses {tuple(lses.shape)}"
-        )
+    check_merge_args(outs, lses)
     num_parts, head_dim_v = outs.shape[0], outs.shape[-1]
     row_shape = outs.shape[1:-1]
     rows = row_shape.numel()

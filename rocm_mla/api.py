@@ -31,7 +31,7 @@ from rocm_mla.inputs import (
     check_seqlens_and_blocks,
     prepare_decode,
 )
-from rocm_mla.merge import torch_merge_states
+from rocm_mla.merge import check_merge_args, torch_merge_states
 
 __all__ = ["DecodePlan", "available_backends", "merge_states", "mla_decode", "plan_decode"]
 
@@ -251,23 +251,28 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
     """Exact merge of N partial attentions over disjoint key sets (split-KV, DCP shards).
 
     Args:
-        outs: ``[N, ...rows, Dv]`` partial outputs, each normalized over its own keys.
-        lses: ``[N, ...rows]`` their natural-log softmax denominators.
+        outs: ``[N, ...rows, Dv]`` float32/float16/bfloat16 partial outputs, each normalized
+            over its own keys; ``Dv >= 1``.
+        lses: ``[N, ...rows]`` float32/float16/bfloat16, their natural-log softmax
+            denominators, on ``outs``' device.
 
     Returns:
         ``(out [...rows, Dv] in outs' dtype, lse [...rows] float32)``, equal to attending over
-        the union of the key sets. Partials whose lse is -inf or NaN contribute nothing (their
-        out may be NaN); a row where every partial is empty gives out 0 and lse -inf.
+        the union of the key sets; the same on the CPU (torch) and on a GPU (Triton):
+
+        - a partial with lse -inf saw no key and contributes nothing (its out may be NaN);
+        - a NaN or +inf lse, or a NaN in the out of a partial that has weight, is a broken
+          partial: the whole row comes out NaN (every column and the lse), never a silent
+          drop that would pass for an empty shard;
+        - a row where every partial is empty, and every row when ``N = 0``, gives out 0 and
+          lse -inf: the merge of no keys is ``mla_decode``'s empty row.
+
+    Raises:
+        ValueError: naming ``outs`` or ``lses``: not a tensor (a list of partials must be
+            ``torch.stack``-ed first), not a float dtype, mismatched shapes, ``Dv = 0``, or
+            different devices.
     """
-    if outs.dim() < 2 or lses.shape != outs.shape[:-1]:
-        raise ValueError(
-            "merge_states: outs must be [N, ...rows, Dv] and lses [N, ...rows], got outs "
-            f"{tuple(outs.shape)} and lses {tuple(lses.shape)}"
-        )
-    if outs.device != lses.device:
-        raise ValueError(
-            f"merge_states: outs and lses must share a device, got {outs.device} and {lses.device}"
-        )
+    check_merge_args(outs, lses)
     if outs.device.type == "cpu":
         return torch_merge_states(outs, lses)
     # On a GPU the Triton kernel does the same arithmetic in one launch instead of ~10.

@@ -150,11 +150,56 @@ def test_merge_of_split_attention_equals_whole_attention():
     torch.testing.assert_close(lse.cpu(), torch.logsumexp(scores, -1), atol=1e-6, rtol=1e-6)
 
 
-def test_zero_partials_give_empty_rows_and_bad_shapes_raise():
-    out, lse = merge_states(torch.zeros(0, 3, 8, device=DEVICE), torch.zeros(0, 3, device=DEVICE))
+#: Both implementations of the one merge contract: torch (the CPU path of
+#: ``rocm_mla.merge_states``) and the Triton kernel (its GPU path), called directly so that
+#: both run here whatever the device.
+MERGES = {"torch": torch_merge_states, "triton": merge_states}
+
+
+@pytest.mark.parametrize("impl", sorted(MERGES))
+def test_zero_partials_give_empty_rows(impl):
+    """N = 0 is the merge of no keys: mla_decode's empty row (out 0, lse -inf) on both."""
+    out, lse = MERGES[impl](torch.zeros(0, 3, 8, device=DEVICE), torch.zeros(0, 3, device=DEVICE))
+    assert out.shape == (3, 8) and lse.shape == (3,) and lse.dtype == torch.float32
     assert (out == 0).all() and (lse == -math.inf).all()
-    with pytest.raises(ValueError, match="lses"):
-        merge_states(torch.zeros(2, 3, 8), torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("impl", sorted(MERGES))
+@pytest.mark.parametrize(
+    ("outs", "lses", "match"),
+    [
+        (torch.zeros(2, 3, 8), torch.zeros(2, 4), r"lses \[N, \.\.\.rows\], got outs"),
+        (torch.zeros(2, 3, 0), torch.zeros(2, 3), r"outs must have Dv >= 1"),
+        (torch.ones(2, 3, 8, dtype=torch.int32), torch.zeros(2, 3), r"outs must be float32"),
+        (torch.zeros(2, 3, 8), torch.zeros(2, 3, dtype=torch.int64), r"lses must be float32"),
+        (torch.zeros(2, 3, 8, dtype=torch.float64), torch.zeros(2, 3), r"outs must be float32"),
+        ([torch.zeros(3, 8)] * 2, torch.zeros(2, 3), r"outs must be a torch.Tensor .*got list"),
+        (torch.zeros(2, 3, 8), (torch.zeros(3),) * 2, r"lses must be a torch.Tensor .*got tuple"),
+    ],
+    ids=["shapes", "dv0", "int32-outs", "int-lses", "float64-outs", "list-outs", "tuple-lses"],
+)
+def test_bad_arguments_raise_the_same_named_error(impl, outs, lses, match):
+    """Both paths refuse what they cannot merge, naming the argument, before any work."""
+    if isinstance(outs, torch.Tensor):
+        outs = outs.to(DEVICE)
+    if isinstance(lses, torch.Tensor):
+        lses = lses.to(DEVICE)
+    with pytest.raises(ValueError, match=match):
+        MERGES[impl](outs, lses)
+    with pytest.raises(ValueError, match=match):
+        rocm_mla.merge_states(outs, lses)
+
+
+def test_torch_and_triton_agree_on_broken_and_empty_partials():
+    """The NaN rule, both paths: a broken partial with weight poisons the whole row (every
+    column and the lse), an empty partial never matters, an all-empty row is 0 / -inf."""
+    outs, lses = random_partials(5, (3, 4), 48, seed=3)
+    want_out, want_lse = torch_merge_states(outs, lses)
+    got_out, got_lse = merge_states(outs, lses)
+    torch.testing.assert_close(got_out, want_out, atol=1e-6, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-6, rtol=1e-6, equal_nan=True)
+    row5 = want_out.view(-1, 48)[5]  # one NaN column in a weighted partial
+    assert torch.isnan(row5).all() and torch.isnan(want_lse.view(-1)[5])
 
 
 def test_public_merge_states_uses_the_device_path():
