@@ -3,20 +3,36 @@
 Architecture (layers, data flow, contracts): docs/architecture.md.
 """
 
-from rocm_mla.api import DecodePlan, available_backends, merge_states, mla_decode, plan_decode
+from rocm_mla.api import (
+    FAULT_BEYOND_PLAN,
+    FAULT_BEYOND_TABLE,
+    FAULT_BLOCK_ID,
+    DecodePlan,
+    KVBoundsError,
+    available_backends,
+    merge_states,
+    mla_decode,
+    plan_decode,
+    raise_on_fault,
+)
 from rocm_mla.contract import normalize_cp
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FAULT_BEYOND_PLAN",
+    "FAULT_BEYOND_TABLE",
+    "FAULT_BLOCK_ID",
     "LLM",
     "DecodePlan",
+    "KVBoundsError",
     "__version__",
     "available_backends",
     "merge_states",
     "mla_decode",
     "normalize_cp",
     "plan_decode",
+    "raise_on_fault",
 ]
 
 

@@ -13,6 +13,11 @@ Two ways to call the decode, FlashMLA-style:
   planned call checks shapes, dtypes and devices only and reads nothing back from the device,
   so it can be captured in a CUDA/HIP graph. ``ROCM_MLA_DEBUG=1`` turns the value checks back
   on for planned calls and adds a check that every input a row sees is finite.
+
+Out of bounds: no call, planned or one-shot, reads outside ``kv_cache`` or the block
+table. A planned call trusts the step's plan, so a bad block id or length there turns the
+rows that may see it into NaN and, when ``fault_flag=`` is given, sets a bit in that device
+tensor for the caller to read at its own sync (``raise_on_fault`` -> ``KVBoundsError``).
 """
 
 from __future__ import annotations
@@ -23,17 +28,33 @@ import torch
 
 from rocm_mla.backends import available_backends, backend_class, select_backend
 from rocm_mla.inputs import (
+    FAULT_BEYOND_PLAN,
+    FAULT_BEYOND_TABLE,
+    FAULT_BLOCK_ID,
     FP8_DTYPES,
     KV_DTYPES,
     Q_DTYPES,
     DecodePlan,
     DecodeSpec,
+    KVBoundsError,
     check_seqlens_and_blocks,
     prepare_decode,
+    raise_on_fault,
 )
 from rocm_mla.merge import check_merge_args, torch_merge_states
 
-__all__ = ["DecodePlan", "available_backends", "merge_states", "mla_decode", "plan_decode"]
+__all__ = [
+    "FAULT_BEYOND_PLAN",
+    "FAULT_BEYOND_TABLE",
+    "FAULT_BLOCK_ID",
+    "DecodePlan",
+    "KVBoundsError",
+    "available_backends",
+    "merge_states",
+    "mla_decode",
+    "plan_decode",
+    "raise_on_fault",
+]
 
 
 def plan_decode(
@@ -183,6 +204,7 @@ def mla_decode(
     kv_scale: float | torch.Tensor | None = None,
     backend: str | None = None,
     plan: DecodePlan | None = None,
+    fault_flag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-MLA decode attention over a paged latent KV cache (FlashMLA-shaped).
 
@@ -209,6 +231,16 @@ def mla_decode(
         plan: a ``DecodePlan`` from ``plan_decode`` for this step: then only shapes, dtypes
             and devices are checked (against the plan too) and nothing is read back from the
             device; the lengths must lie in the plan's range.
+        fault_flag: optional ``[1]`` int32 tensor on q's device. The call ORs ``FAULT_*``
+            bits into it on the device (no host sync) when a row may see a key outside the
+            cache: ``FAULT_BLOCK_ID`` (a visible key's block id outside ``[0, num_blocks)``),
+            ``FAULT_BEYOND_TABLE`` (a visible key past ``max_blocks * block_size``),
+            ``FAULT_BEYOND_PLAN`` (torch, planned: a length above ``plan.max_seqlen``). It is
+            never cleared here: zero it once per step and read it where the step syncs
+            anyway (``raise_on_fault(flag, where)`` raises ``KVBoundsError``). Whether or not
+            a flag is given, such a key is never read and the rows that may see it come out
+            NaN (out and lse); other rows are exact. A one-shot call checks the values first
+            and raises instead.
 
     Returns:
         ``(out, lse)``: ``out [B, S_q, H, head_dim_v]`` in q's dtype; ``lse [B, S_q, H]``
@@ -220,6 +252,8 @@ def mla_decode(
     Raises:
         ValueError: a malformed argument (which one, what was expected, what came), an
             unknown backend name, or a named backend that cannot run this call (its reasons).
+            ``ROCM_MLA_DEBUG=1``: a planned call whose lengths lie outside the plan's range,
+            or whose block ids / lengths leave the cache or table.
     """
     if plan is not None and not isinstance(plan, DecodePlan):
         raise ValueError(
@@ -236,6 +270,7 @@ def mla_decode(
         causal=causal,
         kv_scale=kv_scale,
         check_values=plan is None,
+        fault_flag=fault_flag,
     )
     impl_cls = select_backend(backend, problem) if plan is None else backend_class(plan.backend)
     impl = impl_cls(

@@ -193,6 +193,7 @@ def prepare_decode(
     causal: bool,
     kv_scale: float | torch.Tensor | None,
     check_values: bool = True,
+    fault_flag: torch.Tensor | None = None,
 ) -> DecodeProblem:
     """Check every argument of ``mla_decode`` and return the normalized problem.
 
@@ -209,6 +210,7 @@ def prepare_decode(
         causal=causal,
         kv_scale=kv_scale,
         read_scale=check_values,
+        fault_flag=fault_flag,
     )
     if check_values:
         check_decode_values(problem)
@@ -230,6 +232,7 @@ def check_decode_args(
     causal: bool,
     kv_scale: float | torch.Tensor | None,
     read_scale: bool = True,
+    fault_flag: torch.Tensor | None = None,
 ) -> DecodeProblem:
     """The shape/dtype/device checks of ``mla_decode``: host metadata only, no tensor read
     (except a ``kv_scale`` tensor when ``read_scale``)."""
@@ -322,6 +325,14 @@ def check_decode_args(
             "kv_scale", f"None for a {kv_cache.dtype} cache (only fp8 caches scale)", kv_scale
         )
 
+    if fault_flag is not None:
+        if not isinstance(fault_flag, torch.Tensor):
+            raise _fail("fault_flag", "an int32 tensor [1] or None", type(fault_flag).__name__)
+        if fault_flag.dtype != torch.int32 or tuple(fault_flag.shape) != (1,):
+            raise _fail("fault_flag", "an int32 tensor of shape [1]", _describe(fault_flag))
+        if fault_flag.device != q.device:
+            raise _fail("fault_flag", f"on q's device {q.device}", fault_flag.device)
+
     return DecodeProblem(
         q=q,
         kv_cache=kv_cache,
@@ -331,6 +342,7 @@ def check_decode_args(
         softmax_scale=float(softmax_scale),
         causal=bool(causal),
         kv_scale=kv_scale if kv_cache.dtype in FP8_DTYPES else None,
+        fault_flag=fault_flag,
     )
 
 

@@ -177,9 +177,13 @@ def mla_decode_fwd(
         "every request must have max_seqlen_q queries (q is strided by that many rows)",
     )
     _require(bool((kv_last_page_lens == 1).all()), "kv_last_page_lens must be 1 at page_size 1")
+    # The kernel walks kv_indices[kv_indptr[b]:kv_indptr[b + 1]] unchecked: an indptr that
+    # runs backwards or past the buffer reads memory that is not the request's.
     _require(
-        int(kv_indptr[0]) == 0 and int(kv_indptr[-1]) == kv_indices.shape[0],
-        "kv_indptr must run from 0 to len(kv_indices)",
+        int(kv_indptr[0]) == 0
+        and bool((kv_indptr[1:] >= kv_indptr[:-1]).all())
+        and int(kv_indptr[-1]) <= kv_indices.shape[0],
+        "kv_indptr must run from 0, non-decreasing, to at most len(kv_indices)",
     )
     if kv_indices.numel():
         _require(

@@ -73,7 +73,7 @@ def test_metadata_expands_shuffled_block_table(block_size, q_len):
     _, kv, bt, lens = make_paged_problem(
         lengths, num_heads=1, q_len=q_len, block_size=block_size, head_dim=8, seed=block_size
     )
-    meta = build_decode_metadata(bt, lens, block_size, q_len)
+    meta = build_decode_metadata(bt, lens, block_size, q_len, num_blocks=kv.shape[0])
     for t in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_lens):
         assert t.dtype == torch.int32 and t.device == bt.device
     assert meta.max_seqlen_q == q_len
@@ -92,7 +92,7 @@ def test_metadata_expands_shuffled_block_table(block_size, q_len):
 
 def test_metadata_all_empty():
     bt = torch.tensor([[3], [1]], dtype=torch.int32)
-    meta = build_decode_metadata(bt, torch.zeros(2, dtype=torch.int32), 16, 1)
+    meta = build_decode_metadata(bt, torch.zeros(2, dtype=torch.int32), 16, 1, num_blocks=4)
     assert meta.kv_indices.numel() == 0 and meta.kv_indptr.tolist() == [0, 0, 0]
 
 

@@ -19,6 +19,11 @@ AITER's MLA decode is prebuilt assembly. Its contract, and how this impl meets i
 - empty rows: a request with no visible keys comes back as ``0/0`` (NaN) from the split
   reduce, so rows with no visible key are set to out 0 / lse -inf here, as
   ``rocm_mla.mla_decode`` promises.
+- bounds: a planned call's block ids and lengths are not checked on the host, so the
+  metadata is built to be safe for any values (``build_decode_metadata``): AITER is never
+  handed a row outside the cache or more ``kv_indices`` than the plan allocated, and the
+  rows that may see a bad key come out NaN with ``FAULT_*`` bits in the call's
+  ``fault_flag`` (``aiter_faults``), all on the device.
 - fp8: a8w8 only (fp8 q with fp8 KV, per-tensor ``q_scale``/``kv_scale``); q is quantized
   here to the cache's fp8 type, which must be AITER's for the arch (e4m3fnuz on gfx942,
   e4m3fn on gfx950).
@@ -38,7 +43,16 @@ import torch
 
 from rocm_mla import platform
 from rocm_mla.backends.base import Capabilities, MLADecodeImpl
-from rocm_mla.inputs import FP8_DTYPES, DecodePlan, DecodeProblem, DecodeSpec, visible_lengths
+from rocm_mla.inputs import (
+    FAULT_BEYOND_PLAN,
+    FAULT_BEYOND_TABLE,
+    FAULT_BLOCK_ID,
+    FP8_DTYPES,
+    DecodePlan,
+    DecodeProblem,
+    DecodeSpec,
+    visible_lengths,
+)
 
 SUPPORTED_ARCHS = ("gfx942", "gfx950")
 #: AITER's fp8 type per arch (``aiter.utility.dtypes.defaultDtypes``).
@@ -103,8 +117,10 @@ def build_decode_metadata(
     block_size: int,
     q_len: int,
     total_tokens: int | None = None,
+    *,
+    num_blocks: int,
 ) -> AiterDecodeMetadata:
-    """Expand a paged block table into AITER's page-size-1 metadata.
+    """Expand a paged block table into AITER's page-size-1 metadata, safe for any values.
 
     Args:
         block_table: ``[B, max_blocks]`` int; entry ``j`` of request ``b`` holds its tokens
@@ -115,26 +131,50 @@ def build_decode_metadata(
         q_len: ``S_q``, queries per request.
         total_tokens: ``sum(cache_seqlens)`` or any upper bound of it, known on the host (a
             ``DecodePlan``'s ``total_seqlen``); None reads the sum (one host sync).
+        num_blocks: blocks in the cache (``kv_cache.shape[0]``).
 
     Token ``t`` of request ``b`` becomes row ``block_table[b, t // block_size] * block_size
     + t % block_size`` of the ``[num_blocks * block_size, 1, 1, D]`` view. Vectorized on the
     tensors' device with a fixed output size, so a plan's bound makes it sync-free; entries
     past the real total are in bounds and never read (``kv_indptr`` ends before them).
+
+    A planned call's values are not checked on the host, so the kernel is handed only what
+    it can read safely (``aiter_faults`` then poisons the rows this changes): a negative
+    length is 0 keys; a token whose block id is outside ``[0, num_blocks)`` or whose column
+    is past the table reads a stand-in row inside the cache (it keeps its place, so every
+    row's causal window stays right); and ``kv_indptr`` stops at ``total_tokens``, the size
+    of ``kv_indices``, so requests past the plan's token budget are cut short.
     """
     device = block_table.device
-    batch = block_table.shape[0]
-    lens = cache_seqlens.to(torch.int64)
+    batch, max_blocks = block_table.shape
+    if max_blocks == 0:
+        # Nothing is readable; one column of bad ids keeps the gathers below well-formed.
+        block_table = block_table.new_full((batch, 1), -1)
+    lens = cache_seqlens.to(torch.int64).clamp(min=0)
     kv_indptr = torch.zeros(batch + 1, dtype=torch.int64, device=device)
     torch.cumsum(lens, dim=0, out=kv_indptr[1:])
-    total = int(kv_indptr[-1]) if total_tokens is None else total_tokens
+    if total_tokens is None:
+        total = int(kv_indptr[-1])
+    else:
+        total = total_tokens
+        kv_indptr.clamp_(max=total)
     token = torch.arange(total, device=device)
     # Which request each flat token belongs to; tokens past the real total land on the last
-    # request at positions it does not have, clamped into its table to stay in bounds.
+    # request at positions it does not have (they are never read).
     request = torch.searchsorted(kv_indptr[1:], token, right=True).clamp_(max=batch - 1)
     position = token - kv_indptr[request]
-    column = (position // block_size).clamp_(0, block_table.shape[1] - 1)
-    blocks = block_table[request, column].to(torch.int64)
-    kv_indices = blocks * block_size + position % block_size
+    column = position // block_size
+    blocks = block_table[request, column.clamp(max=max_blocks - 1)].to(torch.int64)
+    readable = (column < max_blocks) & (blocks >= 0) & (blocks < num_blocks)
+    # An unreadable token reads its request's first key instead: a row of the cache that the
+    # request's rows see anyway, so a causally masked stand-in is finite and its 0 weight
+    # cannot turn into 0 * NaN for a row that is meant to stay exact (a free slot may hold
+    # anything). Row 0 when that block id is bad too: every row with a key is poisoned then.
+    first = block_table[:, 0].to(torch.int64)
+    first_row = torch.where((first >= 0) & (first < num_blocks), first * block_size, 0)
+    kv_indices = torch.where(
+        readable, blocks * block_size + position % block_size, first_row[request]
+    )
     return AiterDecodeMetadata(
         qo_indptr=torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device),
         kv_indptr=kv_indptr.to(torch.int32),
@@ -142,6 +182,40 @@ def build_decode_metadata(
         kv_last_page_lens=torch.ones(batch, dtype=torch.int32, device=device),
         max_seqlen_q=q_len,
     )
+
+
+def aiter_faults(
+    problem: DecodeProblem, kv_indptr: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows ``build_decode_metadata``'s safe metadata cannot answer exactly, and why.
+
+    Returns ``(poison [B, S_q] bool, bits [1] int32)``: a row with a visible key is poisoned
+    when one of its visible keys has a block id outside ``[0, num_blocks)``
+    (``FAULT_BLOCK_ID``) or lies past the table (``FAULT_BEYOND_TABLE``), or when its request
+    was cut short by the plan's token budget (``FAULT_BEYOND_PLAN``; the kernel's causal
+    window then no longer lines up, so the whole request). All on the device, no sync.
+    """
+    p = problem
+    visible = visible_lengths(p)  # [B, S_q]
+    sees = visible > 0
+    capacity = p.block_table.shape[1] * p.block_size
+    # Keys before the first bad column are readable (argmax picks the first True). The True
+    # padded past the last column makes "no bad id" read as first_bad = capacity, where the
+    # table's own limit takes over.
+    bad = (p.block_table < 0) | (p.block_table >= p.num_blocks)  # [B, max_blocks]
+    bad = torch.nn.functional.pad(bad, (0, 1), value=True)
+    first_bad = bad.to(torch.int8).argmax(dim=1).to(torch.int64) * p.block_size
+    block_fault = (visible > first_bad[:, None]) & (first_bad[:, None] < capacity)
+    table_fault = visible > capacity
+    given = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
+    cut = given < p.cache_seqlens.to(torch.int64).clamp(min=0)
+    plan_fault = cut[:, None] & sees
+    bits = (
+        block_fault.any().to(torch.int32) * FAULT_BLOCK_ID
+        + table_fault.any().to(torch.int32) * FAULT_BEYOND_TABLE
+        + plan_fault.any().to(torch.int32) * FAULT_BEYOND_PLAN
+    )
+    return block_fault | table_fault | plan_fault, bits.reshape(1)
 
 
 def quantize_per_tensor(
@@ -222,17 +296,26 @@ class AiterMLAImpl(MLADecodeImpl):
         kv_view = _flat_token_view(p.kv_cache)
         if kv_view is None:
             raise ValueError(_layout_reason(p.kv_cache))
-        if plan.total_seqlen == 0:
-            # Every row is empty. AITER sizes its splits from the token count and would
-            # be asked for zero splits; the contract's answer needs no kernel.
-            return (
-                torch.zeros(batch, q_len, num_heads, dv, dtype=p.q.dtype, device=device),
-                torch.full((batch, q_len, num_heads), -math.inf, device=device),
-            )
-
         meta = build_decode_metadata(
-            p.block_table, p.cache_seqlens, p.block_size, q_len, plan.total_seqlen
+            p.block_table,
+            p.cache_seqlens,
+            p.block_size,
+            q_len,
+            plan.total_seqlen,
+            num_blocks=p.num_blocks,
         )
+        poison, fault_bits = aiter_faults(p, meta.kv_indptr)
+        if p.fault_flag is not None:
+            p.fault_flag.bitwise_or_(fault_bits)
+        # Rows with no visible key: the kernel's split reduce leaves 0/0 there.
+        empty = (visible_lengths(p) == 0)[:, :, None]  # [B, S_q, 1]
+        if plan.total_seqlen == 0:
+            # Every row is empty (or past the plan, then poisoned). AITER sizes its splits
+            # from the token count and would be asked for zero splits.
+            out = torch.zeros(batch, q_len, num_heads, dv, dtype=p.q.dtype, device=device)
+            lse = torch.full((batch, q_len, num_heads), -math.inf, device=device)
+            return _poisoned(out, lse, poison)
+
         q = p.q.reshape(total_q, num_heads, head_dim)
         if heads != num_heads:
             padded = torch.zeros(total_q, heads, head_dim, dtype=q.dtype, device=device)
@@ -269,11 +352,20 @@ class AiterMLAImpl(MLADecodeImpl):
             )
         kernel_out = o.view(batch, q_len, heads, dv)[:, :, :num_heads]
         kernel_lse = kernel_lse.reshape(batch, q_len, heads)[:, :, :num_heads]
-        # Rows with no visible key hold 0/0 from the kernel's split reduce.
-        empty = (visible_lengths(p) == 0)[:, :, None]  # [B, S_q, 1]
-        out = kernel_out.masked_fill(empty[..., None], 0.0).contiguous()
-        lse = kernel_lse.to(torch.float32).masked_fill(empty, -math.inf).contiguous()
-        return out, lse
+        out = kernel_out.masked_fill(empty[..., None], 0.0)
+        lse = kernel_lse.to(torch.float32).masked_fill(empty, -math.inf)
+        return _poisoned(out, lse, poison)
+
+
+def _poisoned(
+    out: torch.Tensor, lse: torch.Tensor, poison: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out``/``lse`` with the ``[B, S_q]`` rows of ``poison`` set to NaN in every head."""
+    rows = poison[:, :, None]
+    return (
+        out.masked_fill(rows[..., None], math.nan).contiguous(),
+        lse.masked_fill(rows, math.nan).contiguous(),
+    )
 
 
 def _layout_reason(kv_cache: torch.Tensor) -> str:

@@ -20,6 +20,7 @@ from rocm_mla.inputs import (
     DecodePlan,
     DecodeProblem,
     DecodeSpec,
+    KVBoundsError,
     debug_checks_enabled,
     prepare_decode,
 )
@@ -178,8 +179,10 @@ class MLADecodeImpl:
         causal: bool = True,
         kv_scale: float | torch.Tensor | None = None,
         plan: DecodePlan | None = None,
+        fault_flag: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode; shapes and semantics as ``rocm_mla.mla_decode`` (``plan=`` included).
+        """Decode; shapes and semantics as ``rocm_mla.mla_decode`` (``plan=`` and
+        ``fault_flag=`` included).
 
         The one place the sequence check -> select -> plan -> run is written: ``mla_decode``
         and the vLLM impl both come through here.
@@ -194,6 +197,7 @@ class MLADecodeImpl:
             causal=causal,
             kv_scale=kv_scale,
             check_values=plan is None,
+            fault_flag=fault_flag,
         )
         if (
             problem.num_heads != self.num_heads
@@ -276,13 +280,18 @@ def check_plan_matches(plan: DecodePlan, problem: DecodeProblem, backend: str) -
 
 
 def check_lengths_within_plan(plan: DecodePlan, problem: DecodeProblem) -> None:
-    """``ROCM_MLA_DEBUG``: the call's lengths lie in the plan's ``[min_seqlen, max_seqlen]``."""
+    """``ROCM_MLA_DEBUG``: the call's lengths lie in the plan's ``[min_seqlen, max_seqlen]``
+    (``[0, graph_max_seqlen]`` for a graph plan), else ``KVBoundsError``.
+
+    Without the debug switch nothing is read: a length above the plan is then a fault the
+    backend handles on the device (NaN rows, ``FAULT_*`` bits), never a read outside the cache.
+    """
     lens = problem.cache_seqlens
-    if lens.numel() == 0:
-        return
     lo, hi = (int(v) for v in torch.aminmax(lens))
     if lo < plan.min_seqlen or hi > plan.max_seqlen:
-        raise ValueError(
-            f"mla_decode ({DEBUG_ENV_VAR}): cache_seqlens span [{lo}, {hi}], outside the plan's "
-            f"[{plan.min_seqlen}, {plan.max_seqlen}]; plan each step from its own lengths"
+        kind = "graph plan's bound" if plan.bounds_only else "plan's range"
+        raise KVBoundsError(
+            f"mla_decode ({DEBUG_ENV_VAR}): cache_seqlens span [{lo}, {hi}], outside the "
+            f"{kind} [{plan.min_seqlen}, {plan.max_seqlen}] ({plan.backend} plan); plan "
+            "each step from its own lengths"
         )

@@ -148,6 +148,7 @@ def dcp_mla_decode(
     softmax_scale: float | None = None,
     kv_scale: float | torch.Tensor | None = None,
     plan: DecodePlan | None = None,
+    fault_flag: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA decode over a token-sharded KV cache; every rank gets the exact attention.
 
@@ -184,6 +185,8 @@ def dcp_mla_decode(
             gathered heads, the window folded into the batch (``B * S_q`` requests of one
             query, ``causal=False``) and the rank-local lengths (``DecodeMetadata.plan_kernel``
             builds it). None: the call plans itself.
+        fault_flag: as ``mla_decode``: this rank's kernel call ORs its ``FAULT_*`` bits
+            into it (a NaN row then reaches every rank through the combine).
 
     Returns:
         ``out [B, S_q, H_loc, head_dim_v]`` in q's dtype (``H`` heads when
@@ -221,7 +224,14 @@ def dcp_mla_decode(
                 f"disagree with the impl's ({backend.head_dim_v}, {backend.softmax_scale})"
             )
         out, lse = backend.forward(
-            q, kv_cache, block_table, lens, causal=causal, kv_scale=kv_scale, plan=plan
+            q,
+            kv_cache,
+            block_table,
+            lens,
+            causal=causal,
+            kv_scale=kv_scale,
+            plan=plan,
+            fault_flag=fault_flag,
         )
     else:
         out, lse = mla_decode(
@@ -235,6 +245,7 @@ def dcp_mla_decode(
             kv_scale=kv_scale,
             backend=backend,
             plan=plan,
+            fault_flag=fault_flag,
         )
     out = out.reshape(batch, q_len, *out.shape[2:])
     lse = lse.reshape(batch, q_len, lse.shape[2])
