@@ -322,3 +322,113 @@ def test_debug_mode_accepts_the_lengths_a_graph_plan_covers(monkeypatch):
     monkeypatch.setenv(DEBUG_ENV_VAR, "1")
     for lengths in ([0, 40], [40, 1]):
         rocm_mla.mla_decode(q, kv, bt, torch.tensor(lengths, dtype=torch.int32), plan=plan)
+
+
+# ---- the engine: one flag per worker, read at the step's existing sync ---------------------
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [100, 4, 8]]
+
+
+@pytest.fixture(scope="module")
+def tiny_k3(tmp_path_factory):
+    from rocm_mla.models.kimi_k3.loader import make_tiny
+
+    return str(make_tiny("kimi_k3", tmp_path_factory.mktemp("faults") / "k3", seed=11))
+
+
+def tiny_worker(path):
+    from rocm_mla.engine.worker import EngineOptions, StageWorker
+
+    return StageWorker.load(path, EngineOptions(num_blocks=64, max_num_seqs=4, backend="torch"))
+
+
+def test_runner_zeroes_its_flag_each_step_and_hands_it_on(tiny_k3):
+    worker = tiny_worker(tiny_k3)
+    runner = worker.runner
+    flag = runner.fault_flag
+    assert flag.dtype == torch.int32 and flag.shape == (1,)
+    requests = runner.admit(PROMPTS, 4)
+    flag.fill_(FAULT_BLOCK_ID)
+    meta, _ = runner.prefill(requests)
+    assert meta.fault_flag is flag and flag.tolist() == [0]
+    for req in requests:
+        req.tokens.append(1)
+    flag.fill_(FAULT_BEYOND_TABLE)
+    meta, _ = runner.decode(requests)
+    assert meta.fault_flag is flag and flag.tolist() == [0]
+
+
+class FaultingDecode:
+    """``mla_decode`` as the MLA layers call it, recording each call's ``fault_flag`` and
+    ORing ``bits`` into it when the longest request has ``fault_at`` keys (as a backend
+    would on a bad id). PROMPTS' longest has 7 tokens: 9 keys is decode step 2."""
+
+    def __init__(self, real, fault_at: int | None, bits: int) -> None:
+        self.real, self.fault_at, self.bits = real, fault_at, bits
+        self.flags: list[torch.Tensor | None] = []
+
+    def __call__(self, q, kv_cache, block_table, cache_seqlens, **kwargs):
+        flag = kwargs.get("fault_flag")
+        self.flags.append(flag)
+        out = self.real(q, kv_cache, block_table, cache_seqlens, **kwargs)
+        if flag is not None and int(cache_seqlens.max()) == self.fault_at:
+            flag.bitwise_or_(torch.tensor([self.bits], dtype=torch.int32))
+        return out
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-replay"])
+def test_a_fault_in_any_layer_raises_at_the_step_s_sync_naming_the_step(
+    tiny_k3, monkeypatch, graphs
+):
+    from rocm_mla.models.kimi_k3 import mla as mla_module
+    from tests.test_engine_hotpath import _with_cpu_graphs
+
+    worker = tiny_worker(tiny_k3)
+    if graphs:
+        _with_cpu_graphs(worker)
+    clean = FaultingDecode(mla_module.mla_decode, None, 0)
+    monkeypatch.setattr(mla_module, "mla_decode", clean)
+    want = worker.generate(PROMPTS, 4)
+    # Eager layers get the runner's flag; replayed ones the graph's static flag, which the
+    # replay ORs into the runner's.
+    assert clean.flags and all(
+        isinstance(f, torch.Tensor) and (graphs or f is worker.runner.fault_flag)
+        for f in clean.flags
+    )
+
+    faulty = FaultingDecode(clean.real, 9, FAULT_BLOCK_ID | FAULT_BEYOND_TABLE)
+    monkeypatch.setattr(mla_module, "mla_decode", faulty)
+    match = (
+        r"generate, decode step 2: the decode skipped keys outside the KV cache \(a block "
+        r"id a row may see is outside \[0, num_blocks\); a length exceeds the block table"
+    )
+    with pytest.raises(KVBoundsError, match=match):
+        worker.generate(PROMPTS, 4)
+    # The step that faulted does not poison the next generate: the runner zeroes the flag.
+    monkeypatch.setattr(mla_module, "mla_decode", clean)
+    assert worker.generate(PROMPTS, 4) == want
+
+
+@pytest.mark.parametrize("as_impl", [False, True], ids=["backend-name", "impl"])
+def test_dcp_decode_passes_the_flag_to_its_kernel_call(monkeypatch, as_impl):
+    """dcp_mla_decode hands fault_flag to the kernel call (validated there, reaching the
+    backend), whether the layer holds a backend name or an impl."""
+    from rocm_mla.dcp import DecodeMetadata, dcp_mla_decode
+
+    q, kv, bt, lens = make_paged_problem([20, 9], num_heads=4, seed=6)
+    meta = DecodeMetadata.build(bt, lens, 1)
+    backend = backend_class("torch")(num_heads=4) if as_impl else "torch"
+    with pytest.raises(ValueError, match="fault_flag must be an int32 tensor of shape"):
+        dcp_mla_decode(q, kv, meta, None, backend, fault_flag=torch.zeros(1))
+    seen = []
+    cls = backend_class("torch")
+    real = cls._decode
+
+    def spy(self, problem, plan):
+        seen.append(problem.fault_flag)
+        return real(self, problem, plan)
+
+    flag = zero_flag()
+    monkeypatch.setattr(cls, "_decode", spy)
+    dcp_mla_decode(q, kv, meta, None, backend, fault_flag=flag)
+    assert len(seen) == 1 and seen[0] is flag

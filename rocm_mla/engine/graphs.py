@@ -136,6 +136,9 @@ class DecodeGraphs:
             bucket = self.buckets[size] = self._capture(size)
         self._load(bucket, meta, input_ids)
         bucket.replay()
+        if meta.fault_flag is not None:
+            # The graph ORs into its own static flag; hand the bits on to the step's.
+            meta.fault_flag.bitwise_or_(bucket.meta.fault_flag)
         return bucket.logits[:batch]
 
     def _static(self, size: int) -> _Bucket:
@@ -169,6 +172,7 @@ class DecodeGraphs:
             write_rows=torch.arange(size, dtype=torch.int64, device=dev),
             fresh=torch.zeros(size, dtype=torch.bool, device=dev),
             decode_plan=plan,
+            fault_flag=torch.zeros(1, dtype=torch.int32, device=dev),
         )
         return _Bucket(size, torch.zeros(size, dtype=torch.int64, device=dev), meta)
 
@@ -195,5 +199,6 @@ class DecodeGraphs:
         s.block_tables[b:].fill_(self.trash_block)
         s.state_slots[:b].copy_(meta.state_slots)
         s.state_slots[b:].fill_(self.trash_slot)
+        s.fault_flag.zero_()
         bucket.input_ids[:b].copy_(input_ids)
         bucket.input_ids[b:].zero_()

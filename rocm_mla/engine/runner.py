@@ -69,6 +69,11 @@ class Runner:
         device: where the metadata tensors live.
         attention: the stage's MLA kernel call; when given, every uniform decode step carries
             one ``rocm_mla.plan_decode`` plan that all MLA layers of the step share.
+
+    Attributes:
+        fault_flag: ``[1]`` int32 on ``device``, the worker's one out-of-bounds flag: zeroed
+            on the device as each step is built and handed to every MLA layer in
+            ``ForwardMetadata.fault_flag``; the worker reads it at the step's existing sync.
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class Runner:
         self.dcp_size, self.dcp_rank, self.dcp_interleave = dcp_size, dcp_rank, dcp_interleave
         self.device = torch.device(device)
         self.attention = attention
+        self.fault_flag = torch.zeros(1, dtype=torch.int32, device=self.device)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size, self.dcp_size)
@@ -187,6 +193,9 @@ class Runner:
                 dcp_interleave=self.dcp_interleave,
             )
         dev = self.device
+        # Queued on the device like the step itself: no sync, and the previous step's bits
+        # were read at its sync already.
+        self.fault_flag.zero_()
         table, seq_lens = table.to(dev), seq_lens.to(dev)
         dcp = None
         if self.dcp_size > 1 and decoding:
@@ -206,5 +215,6 @@ class Runner:
             fresh=torch.tensor([c == 0 for c in context], device=dev),
             dcp=dcp,
             decode_plan=plan,
+            fault_flag=self.fault_flag,
         )
         return meta, torch.tensor(ids, dtype=torch.int64, device=dev)

@@ -39,7 +39,7 @@ from rocm_mla.distributed import ParallelState, init_parallel
 from rocm_mla.engine.cache import CacheFullError, resolve_cache_dtype
 from rocm_mla.engine.graphs import DecodeGraphs
 from rocm_mla.engine.runner import DecodeAttention, Request, Runner
-from rocm_mla.inputs import FP8_DTYPES
+from rocm_mla.inputs import FP8_DTYPES, raise_on_fault
 from rocm_mla.models.kimi_k3 import KimiK3ForCausalLM, StageIO, load_model
 from rocm_mla.models.kimi_k3.attn_res import closes_block
 
@@ -239,10 +239,13 @@ class StageWorker:
         return None
 
     def _next_tokens(
-        self, logits: torch.Tensor | None, count: int, temperature: float
+        self, logits: torch.Tensor | None, count: int, temperature: float, step: str
     ) -> list[int]:
         """Sample ``count`` tokens from the last rows' logits ``[count, vocab]`` (present on
-        last-stage ranks) on the sampler; every rank gets them."""
+        last-stage ranks) on the sampler; every rank gets them.
+
+        This is the step's one host sync; the runner's fault flag comes back in the same
+        copy, and a set bit raises ``KVBoundsError`` naming ``step``."""
         ids = None
         if self.is_sampler:
             if temperature == 0.0:
@@ -252,7 +255,11 @@ class StageWorker:
                 ids = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
         if self.comm is not None:
             ids = self.comm.share_tokens(ids, count)
-        return ids.tolist()
+        *tokens, fault = torch.cat([ids, self.runner.fault_flag.to(ids.dtype)]).tolist()
+        if fault:
+            rank = "" if self.comm is None else f", rank {self.comm.rank}"
+            raise_on_fault(torch.tensor([fault]), f"generate, {step}{rank}")
+        return tokens
 
     @torch.no_grad()
     def generate(
@@ -276,7 +283,7 @@ class StageWorker:
             meta, ids = self.runner.prefill(requests)
             last_rows = meta.query_start_loc[1:].long() - 1
             logits = self._forward(meta, ids, last_rows)
-            new = self._next_tokens(logits, len(requests), temperature)
+            new = self._next_tokens(logits, len(requests), temperature, "prefill")
             active = requests
             step = 1
             while True:
@@ -298,7 +305,7 @@ class StageWorker:
                     logits = self.graphs.run(meta, ids)
                 else:
                     logits = self._forward(meta, ids)
-                new = self._next_tokens(logits, len(active), temperature)
+                new = self._next_tokens(logits, len(active), temperature, f"decode step {step - 1}")
         finally:
             for req in requests:
                 self.runner.finish(req)

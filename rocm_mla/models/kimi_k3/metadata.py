@@ -38,6 +38,9 @@ class ForwardMetadata:
         fresh: ``[B]`` bool, requests with no context (their KDA state starts from zero).
         decode_plan: the step's ``rocm_mla.plan_decode`` for the MLA decode, shared by every
             MLA layer; None when the step is not a uniform decode (each layer then plans).
+        fault_flag: ``[1]`` int32 on the device, the runner's (one per worker, zeroed each
+            step): every MLA layer's decode ORs its ``rocm_mla.FAULT_*`` bits into it, and the
+            step's existing host sync reads it. None: nothing reports.
     """
 
     positions: torch.Tensor
@@ -52,6 +55,7 @@ class ForwardMetadata:
     fresh: torch.Tensor
     dcp: DecodeMetadata | None = None
     decode_plan: DecodePlan | None = None
+    fault_flag: torch.Tensor | None = None
 
     @property
     def query_starts(self) -> list[int]:

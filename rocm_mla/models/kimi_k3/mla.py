@@ -141,12 +141,14 @@ class MultiHeadLatentAttention(nn.Module):
         seq_lens: torch.Tensor,
         dcp: DecodeMetadata | None = None,
         plan: DecodePlan | None = None,
+        fault_flag: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Absorbed form: ``q [B, S, H, qk]`` over the paged latent cache -> ``[B, S, H, dv]``.
 
         With a DCP group of more than one rank, ``dcp`` (the runner's metadata for this rank)
         is required: the layer never derives rank-local lengths itself. ``plan``: the runner's
-        plan for this step's decode (None: each call plans for itself).
+        plan for this step's decode (None: each call plans for itself). ``fault_flag``: the
+        runner's out-of-bounds flag, passed to the kernel call (``mla_decode``).
         """
         if self.w_uk_t is None or self.w_uv is None:
             raise RuntimeError(
@@ -170,6 +172,7 @@ class MultiHeadLatentAttention(nn.Module):
                 softmax_scale=self.scale,
                 kv_scale=kv_scale,
                 plan=plan,
+                fault_flag=fault_flag,
             )
         else:
             out, _ = mla_decode(
@@ -183,6 +186,7 @@ class MultiHeadLatentAttention(nn.Module):
                 backend=self.backend,
                 kv_scale=kv_scale,
                 plan=plan,
+                fault_flag=fault_flag,
             )
         return torch.einsum("bshr,hrv->bshv", out.to(q.dtype), self.w_uv)
 
@@ -220,6 +224,7 @@ class MultiHeadLatentAttention(nn.Module):
                 meta.seq_lens,
                 meta.dcp,
                 meta.decode_plan,
+                meta.fault_flag,
             ).flatten(0, 1)
         elif self.dcp_size > 1:
             raise ValueError(
@@ -235,6 +240,7 @@ class MultiHeadLatentAttention(nn.Module):
                         kv_cache,
                         meta.block_tables[b : b + 1],
                         meta.seq_lens[b : b + 1],
+                        fault_flag=meta.fault_flag,
                     )[0]
                     for b, (s, e) in enumerate(itertools.pairwise(starts))
                 ]
