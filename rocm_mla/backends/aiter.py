@@ -141,7 +141,7 @@ def build_decode_metadata(
     A planned call's values are not checked on the host, so the kernel is handed only what
     it can read safely (``aiter_faults`` then poisons the rows this changes): a negative
     length is 0 keys; a token whose block id is outside ``[0, num_blocks)`` or whose column
-    is past the table reads a stand-in row inside the cache (it keeps its place, so every
+    is past the table reads a stand-in block inside the cache (it keeps its place, so every
     row's causal window stays right); and ``kv_indptr`` stops at ``total_tokens``, the size
     of ``kv_indices``, so requests past the plan's token budget are cut short.
     """
@@ -158,23 +158,23 @@ def build_decode_metadata(
     else:
         total = total_tokens
         kv_indptr.clamp_(max=total)
+    # A bad block id reads its request's first block instead: keys the request's rows see
+    # anyway, so a causally masked stand-in is finite and its 0 weight cannot turn into
+    # 0 * NaN for a row that is meant to stay exact (a free block may hold anything). Block
+    # 0 when the first id is bad too: every row with a key is poisoned then. Done on the
+    # [B, max_blocks] table, so the per-token work is what it was without the check.
+    bad = (block_table < 0) | (block_table >= num_blocks)
+    stand_in = torch.where(bad[:, :1], 0, block_table[:, :1])
+    safe_table = torch.where(bad, stand_in, block_table)
     token = torch.arange(total, device=device)
     # Which request each flat token belongs to; tokens past the real total land on the last
-    # request at positions it does not have (they are never read).
+    # request at positions it does not have (never read). A column past the table reads
+    # the last column's block: in the cache, and those rows are poisoned.
     request = torch.searchsorted(kv_indptr[1:], token, right=True).clamp_(max=batch - 1)
     position = token - kv_indptr[request]
-    column = position // block_size
-    blocks = block_table[request, column.clamp(max=max_blocks - 1)].to(torch.int64)
-    readable = (column < max_blocks) & (blocks >= 0) & (blocks < num_blocks)
-    # An unreadable token reads its request's first key instead: a row of the cache that the
-    # request's rows see anyway, so a causally masked stand-in is finite and its 0 weight
-    # cannot turn into 0 * NaN for a row that is meant to stay exact (a free slot may hold
-    # anything). Row 0 when that block id is bad too: every row with a key is poisoned then.
-    first = block_table[:, 0].to(torch.int64)
-    first_row = torch.where((first >= 0) & (first < num_blocks), first * block_size, 0)
-    kv_indices = torch.where(
-        readable, blocks * block_size + position % block_size, first_row[request]
-    )
+    column = (position // block_size).clamp_(max=block_table.shape[1] - 1)
+    blocks = safe_table[request, column].to(torch.int64)
+    kv_indices = blocks * block_size + position % block_size
     return AiterDecodeMetadata(
         qo_indptr=torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device),
         kv_indptr=kv_indptr.to(torch.int32),
@@ -193,29 +193,30 @@ def aiter_faults(
     when one of its visible keys has a block id outside ``[0, num_blocks)``
     (``FAULT_BLOCK_ID``) or lies past the table (``FAULT_BEYOND_TABLE``), or when its request
     was cut short by the plan's token budget (``FAULT_BEYOND_PLAN``; the kernel's causal
-    window then no longer lines up, so the whole request). All on the device, no sync.
+    window then no longer lines up, so the whole request). All on the device, no sync; a
+    few [B]-sized ops, since every MLA layer of a step pays them.
     """
     p = problem
     visible = visible_lengths(p)  # [B, S_q]
-    sees = visible > 0
+    most = visible[:, -1]  # the last row of a window sees the most keys
     capacity = p.block_table.shape[1] * p.block_size
     # Keys before the first bad column are readable (argmax picks the first True). The True
     # padded past the last column makes "no bad id" read as first_bad = capacity, where the
     # table's own limit takes over.
     bad = (p.block_table < 0) | (p.block_table >= p.num_blocks)  # [B, max_blocks]
     bad = torch.nn.functional.pad(bad, (0, 1), value=True)
-    first_bad = bad.to(torch.int8).argmax(dim=1).to(torch.int64) * p.block_size
-    block_fault = (visible > first_bad[:, None]) & (first_bad[:, None] < capacity)
-    table_fault = visible > capacity
-    given = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
-    cut = given < p.cache_seqlens.to(torch.int64).clamp(min=0)
-    plan_fault = cut[:, None] & sees
+    first_bad = bad.to(torch.int8).argmax(dim=1) * p.block_size  # [B]
+    given = kv_indptr[1:] - kv_indptr[:-1]
+    cut = given < p.cache_seqlens.clamp(min=0)  # [B]
+    # Rows of a cut request see nothing exactly; the others see first_bad good keys.
+    good = torch.where(cut, 0, first_bad)
+    seen = torch.stack(
+        [(most > first_bad) & (first_bad < capacity), most > capacity, cut & (most > 0)]
+    ).any(dim=1)  # [3]
     bits = (
-        block_fault.any().to(torch.int32) * FAULT_BLOCK_ID
-        + table_fault.any().to(torch.int32) * FAULT_BEYOND_TABLE
-        + plan_fault.any().to(torch.int32) * FAULT_BEYOND_PLAN
-    )
-    return block_fault | table_fault | plan_fault, bits.reshape(1)
+        seen[0] * FAULT_BLOCK_ID + seen[1] * FAULT_BEYOND_TABLE + seen[2] * FAULT_BEYOND_PLAN
+    ).to(torch.int32)
+    return visible > good[:, None], bits.reshape(1)
 
 
 def quantize_per_tensor(
