@@ -129,8 +129,17 @@ def test_the_flag_reaches_the_backend_and_a_clean_call_leaves_it_alone(request, 
 
 def aiter_case(bad_id=None, *, lengths=(17, 40, 0), q_len=2, seed=3):
     """A [17, 40, 0] batch with a verify window of 2 and 16-token blocks: request 0's rows
-    see 16 and 17 keys, so a bad id in its column 1 is seen by its second row only."""
+    see 16 and 17 keys, so a bad id in its column 1 is seen by its second row only.
+
+    Block 0 is a free block (all NaN, as every unused slot here): a stand-in that reads it
+    for a causally masked key would turn an exact row NaN through its 0 weight."""
     q, kv, bt, lens = make_paged_problem(list(lengths), num_heads=8, q_len=q_len, seed=seed)
+    used = set(bt[bt >= 0].tolist())
+    free = next(b for b in range(kv.shape[0]) if b not in used)
+    swap = torch.arange(kv.shape[0])
+    swap[0], swap[free] = free, 0
+    kv, bt = kv[swap], torch.where(bt >= 0, swap[bt.clamp(min=0).long()], bt).to(torch.int32)
+    assert torch.isnan(kv[0]).all()
     bad = bt.clone()
     if bad_id is not None:
         bad[0, 1] = bad_id
