@@ -100,7 +100,9 @@ def plan_decode(
 
     Returns:
         A ``DecodePlan`` valid for calls with these shapes and dtypes whose lengths lie in
-        ``[plan.min_seqlen, plan.max_seqlen]`` (checked only under ``ROCM_MLA_DEBUG=1``).
+        ``[plan.min_seqlen, plan.max_seqlen]`` and sum to at most ``plan.total_seqlen``
+        (checked only under ``ROCM_MLA_DEBUG=1``; otherwise the rows a plan does not cover
+        come out NaN, see ``mla_decode``'s ``fault_flag``).
 
     Raises:
         ValueError: a malformed argument, or no backend (or not the named one) can run it.
@@ -230,7 +232,8 @@ def mla_decode(
             a GPU, else torch). Ignored with ``plan`` (the plan resolved it).
         plan: a ``DecodePlan`` from ``plan_decode`` for this step: then only shapes, dtypes
             and devices are checked (against the plan too) and nothing is read back from the
-            device; the lengths must lie in the plan's range.
+            device; the lengths must lie in the plan's range (and sum to at most its
+            ``total_seqlen``).
         fault_flag: optional ``[1]`` int32 tensor on q's device. The call ORs ``FAULT_*``
             bits into it on the device (no host sync) when a row may see a key outside the
             cache: ``FAULT_BLOCK_ID`` (a visible key's block id outside ``[0, num_blocks)``),

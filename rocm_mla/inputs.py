@@ -95,8 +95,9 @@ class DecodePlan:
     MLA layer of the step.
 
     The plan holds for any call whose shapes and dtypes match it and whose ``cache_seqlens``
-    lie in ``[min_seqlen, max_seqlen]``; ``launch`` is the backend's own data (the Triton
-    split count and block shapes, AITER's token count). Using a plan reads no tensor.
+    lie in ``[min_seqlen, max_seqlen]`` and sum to at most ``total_seqlen``; ``launch`` is
+    the backend's own data (the Triton split count and block shapes, AITER's token count).
+    Using a plan reads no tensor.
     """
 
     backend: str

@@ -308,8 +308,9 @@ def test_aiter_metadata_of_bad_values_stays_inside_the_cache():
         ([20, 30], None, [20, 31], r"span \[20, 31\], outside the plan's range \[20, 30\]"),
         ([20, 30], None, [5, 30], r"span \[5, 30\], outside the plan's range \[20, 30\]"),
         ([0, 0], 24, [25, 3], r"span \[3, 25\], outside the graph plan's bound \[0, 24\]"),
+        ([10, 30], None, [30, 30], r"sum to 60, more than the 40 tokens the \w+ plan"),
     ],
-    ids=["above-max", "below-min", "above-graph-bound"],
+    ids=["above-max", "below-min", "above-graph-bound", "above-total"],
 )
 def test_debug_mode_names_lengths_outside_the_plan(
     request, monkeypatch, backend, plan_lengths, graph_max, call_lengths, match

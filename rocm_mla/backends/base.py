@@ -281,17 +281,27 @@ def check_plan_matches(plan: DecodePlan, problem: DecodeProblem, backend: str) -
 
 def check_lengths_within_plan(plan: DecodePlan, problem: DecodeProblem) -> None:
     """``ROCM_MLA_DEBUG``: the call's lengths lie in the plan's ``[min_seqlen, max_seqlen]``
-    (``[0, graph_max_seqlen]`` for a graph plan), else ``KVBoundsError``.
+    (``[0, graph_max_seqlen]`` for a graph plan) and sum to at most its ``total_seqlen``,
+    else ``KVBoundsError``.
 
-    Without the debug switch nothing is read: a length above the plan is then a fault the
-    backend handles on the device (NaN rows, ``FAULT_*`` bits), never a read outside the cache.
+    Without the debug switch nothing is read: lengths the plan does not cover are then a
+    fault the backend handles on the device (NaN rows, ``FAULT_*`` bits), never a read
+    outside the cache.
     """
     lens = problem.cache_seqlens
     lo, hi = (int(v) for v in torch.aminmax(lens))
+    total = int(lens.to(torch.int64).clamp(min=0).sum())
+    kind = "graph plan's bound" if plan.bounds_only else "plan's range"
     if lo < plan.min_seqlen or hi > plan.max_seqlen:
-        kind = "graph plan's bound" if plan.bounds_only else "plan's range"
         raise KVBoundsError(
             f"mla_decode ({DEBUG_ENV_VAR}): cache_seqlens span [{lo}, {hi}], outside the "
             f"{kind} [{plan.min_seqlen}, {plan.max_seqlen}] ({plan.backend} plan); plan "
             "each step from its own lengths"
+        )
+    if total > plan.total_seqlen:
+        # AITER sizes its per-token metadata by the plan's total.
+        raise KVBoundsError(
+            f"mla_decode ({DEBUG_ENV_VAR}): cache_seqlens sum to {total}, more than the "
+            f"{plan.total_seqlen} tokens the {plan.backend} plan was made for; plan each "
+            "step from its own lengths"
         )
