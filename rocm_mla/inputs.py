@@ -8,7 +8,9 @@ Every check names the argument, what was expected and what came. Two kinds:
   ids in range. They read the tensors (one host sync on a GPU) and are what stops a bad block
   table from becoming an illegal memory access inside a kernel. The one-shot ``mla_decode``
   does them on every call; a planned call (``plan=``) relies on ``plan_decode`` having done
-  them once for the step, and repeats them only under ``ROCM_MLA_DEBUG=1``.
+  them once for the step, and repeats them only under ``ROCM_MLA_DEBUG=1``. A planned call
+  given bad values anyway still reads nothing outside the cache: every backend poisons the
+  rows that may see such a key and reports it through ``fault_flag`` (``FAULT_*`` below).
 """
 
 from __future__ import annotations
