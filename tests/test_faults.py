@@ -443,3 +443,77 @@ def test_dcp_decode_passes_the_flag_to_its_kernel_call(monkeypatch, as_impl):
     monkeypatch.setattr(cls, "_decode", spy)
     dcp_mla_decode(q, kv, meta, None, backend, fault_flag=flag)
     assert len(seen) == 1 and seen[0] is flag
+
+
+def expected_faults(bt, lens, num_blocks, block_size, q_len, total):
+    """The contract, in plain Python loops: per row, poisoned or not, and the flag's bits.
+
+    A request's keys are readable up to its first column that is past the table or holds a
+    bad id; aiter also cuts requests past the plan's token budget ``total`` (kv_indptr is a
+    running sum capped at it), and a cut request answers none of its rows.
+    """
+    batch, max_blocks = bt.shape
+    capacity = max_blocks * block_size
+    poisoned, bits, running = set(), 0, 0
+    for b in range(batch):
+        length = int(lens[b])
+        start, running = min(running, total), running + max(length, 0)
+        cut = min(running, total) - start < max(length, 0)
+        columns = [c for c in range(max_blocks) if not 0 <= int(bt[b, c]) < num_blocks]
+        readable = min([c * block_size for c in columns] + [capacity])
+        for i in range(q_len):
+            seen = max(0, length - q_len + 1 + i)
+            if seen == 0:
+                continue
+            if seen > readable and readable < capacity:
+                bits |= FAULT_BLOCK_ID
+            if seen > capacity:
+                bits |= FAULT_BEYOND_TABLE
+            if cut:
+                bits |= FAULT_BEYOND_PLAN
+            if cut or seen > readable:
+                poisoned.add((b, i))
+    return poisoned, bits
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_aiter_random_bad_tables_and_lengths_match_the_contract(aiter_model, seed):
+    """Random block ids (some anywhere in int32) and lengths (negative, past the table, up to
+    2^31 - 1), planned from other lengths: the interface model is never handed an index
+    outside the cache, the flag and the NaN rows are the contract's, and every other row
+    equals a one-shot torch call over just the keys it sees."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, q_len, block = 4, 1 + seed % 2, 8
+    plan_lengths = torch.randint(1, 40, (batch,), generator=gen).tolist()
+    q, kv, bt, _ = make_paged_problem(
+        plan_lengths, num_heads=4, q_len=q_len, block_size=block, seed=seed, nan_fill=False
+    )
+    bad = bt.clone()
+    spots = torch.rand(bad.shape, generator=gen) < 0.2
+    wild = torch.randint(INT32_MIN, INT32_MAX, bad.shape, generator=gen, dtype=torch.int64)
+    bad[spots] = wild[spots].to(torch.int32)
+    lens = torch.randint(-3, bt.shape[1] * block + 8, (batch,), generator=gen, dtype=torch.int32)
+    if seed % 4 == 3:
+        lens[seed % batch] = INT32_MAX
+    graph = seed % 3 == 0
+    plan = plan_for(q, kv, plan_lengths, "aiter", graph_max_seqlen=48 if graph else None)
+    flag = zero_flag()
+    out, lse = rocm_mla.mla_decode(q, kv, bad, lens, plan=plan, fault_flag=flag)
+    poisoned, bits = expected_faults(bad, lens, kv.shape[0], block, q_len, plan.total_seqlen)
+    assert flag.tolist() == [bits]
+    for b in range(batch):
+        for i in range(q_len):
+            if (b, i) in poisoned:
+                assert torch.isnan(out[b, i]).all() and torch.isnan(lse[b, i]).all()
+                continue
+            seen = max(0, int(lens[b]) - q_len + 1 + i)
+            ref_out, ref_lse = rocm_mla.mla_decode(
+                q[b : b + 1, i : i + 1],
+                kv,
+                bad[b : b + 1],
+                torch.tensor([seen], dtype=torch.int32),
+                causal=False,
+                backend="torch",
+            )
+            torch.testing.assert_close(out[b, i], ref_out[0, 0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse[b, i], ref_lse[0, 0], atol=1e-5, rtol=1e-5)
