@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import rocm_mla
+from rocm_mla.backends import torch_ref
 from rocm_mla.backends.torch_ref import TorchMLAImpl
 from rocm_mla.inputs import (
     DEBUG_ENV_VAR,
@@ -27,11 +28,16 @@ HEAD_DIM, DV = 80, 64
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
-@pytest.fixture(autouse=True)
-def _no_debug_checks(monkeypatch):
+@pytest.fixture(autouse=True, params=["fused", "bmm"])
+def attend(request, monkeypatch):
+    """Every test on both compute paths: the CPU's fused attention and the batched GEMMs a
+    GPU runs (forced here on the CPU)."""
     # The debug checks would refuse these calls before the backend runs; the point here is
     # what the backend itself does with them.
     monkeypatch.delenv(DEBUG_ENV_VAR, raising=False)
+    if request.param == "bmm":
+        monkeypatch.setattr(torch_ref, "_attend_fused", torch_ref._attend_bmm)
+    return request.param
 
 
 def _problem(lengths, *, q_len=1, heads=4, block=16, seed=0):
@@ -219,3 +225,39 @@ def test_inf_in_a_visible_row_is_nan_in_every_head(column, sign):
         assert torch.isnan(out[0, 0]).all(dim=-1).all()
         torch.testing.assert_close(out[1].double(), ref_out[1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse[1].double(), ref_lse[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype", "tol"),
+    [
+        (torch.float32, torch.float32, 1e-5),
+        (torch.bfloat16, torch.bfloat16, 2e-2),
+        (torch.float16, torch.float16, 2e-3),
+        (torch.float32, torch.bfloat16, 1e-5),
+        (torch.bfloat16, torch.float8_e4m3fn, 2e-2),
+    ],
+)
+@pytest.mark.parametrize(("q_len", "causal"), [(1, True), (3, True), (2, False)])
+def test_every_dtype_matches_dense(q_dtype, kv_dtype, tol, q_len, causal, monkeypatch):
+    # Chunks of 16 tokens: the merge across chunks runs too.
+    monkeypatch.setattr(torch_ref, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(torch_ref, "MIN_CHUNK_TOKENS", 16)
+    q, kv, bt, lens = _problem([70, 0, 1, 33], q_len=q_len, heads=5, seed=9)
+    scale = None
+    if kv_dtype == torch.float8_e4m3fn:
+        scale = 0.05
+        kv = (kv / scale).nan_to_num(nan=1e4).clamp(-400, 400).to(kv_dtype)
+        deq = kv.to(torch.float32) * scale
+    else:
+        deq = kv.to(kv_dtype).to(torch.float32)
+        kv = kv.to(kv_dtype)
+    q = q.to(q_dtype)
+    out, lse = rocm_mla.mla_decode(
+        q, kv, bt, lens, head_dim_v=DV, causal=causal, kv_scale=scale, backend="torch"
+    )
+    ref_out, ref_lse = dense_mla_decode(q.float(), deq, bt, lens, head_dim_v=DV, causal=causal)
+    assert out.dtype == q_dtype and lse.dtype == torch.float32
+    empty = torch.isinf(ref_lse)
+    assert (lse[empty] == -math.inf).all() and (out[empty] == 0).all()
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double()[~empty], ref_lse[~empty], atol=tol, rtol=tol)
