@@ -338,8 +338,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         "speedup_definition": "vLLM time / our time (engine: our decode tok/s / CPU_MLA's)",
         "op_shape": {"batch": args.batch, "block_size": BLOCK, "q_len": 1, "head_dim": HEAD_DIM},
         "environment": {**common.environment(), "vllm": _vllm_version()},
+        # Other processes' load shows up as noise in every figure; recorded, not corrected.
+        "load_average_before": os.getloadavg(),
         "op_level": [] if args.skip_op else run_op_level(args),
         "engine_level": [] if args.skip_engine else run_engine_level(args),
+        "load_average_after": os.getloadavg(),
     }
     path = common.write_results("vllm-cpu-peer", payload, args.out)
     plot(payload, path.with_suffix(".png"))

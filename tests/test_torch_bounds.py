@@ -237,7 +237,7 @@ def test_inf_in_a_visible_row_is_nan_in_every_head(column, sign):
         (torch.bfloat16, torch.float8_e4m3fn, 2e-2),
     ],
 )
-@pytest.mark.parametrize(("q_len", "causal"), [(1, True), (3, True), (2, False)])
+@pytest.mark.parametrize(("q_len", "causal"), [(1, True), (3, True), (8, True), (2, False)])
 def test_every_dtype_matches_dense(q_dtype, kv_dtype, tol, q_len, causal, monkeypatch):
     # Chunks of 16 tokens: the merge across chunks runs too.
     monkeypatch.setattr(torch_ref, "CHUNK_BYTES", 1)

@@ -212,7 +212,8 @@ def _attend_fused(
     for t0, pos, kv in chunks:
         hidden = pos[None, None, :] >= row_visible[:, :, None]  # [B, S_q, n]
         hidden = hidden.repeat_interleave(num_heads, dim=1) if per_row else hidden[:, :1]
-        mask = torch.zeros(hidden.shape, dtype=compute).masked_fill_(hidden, -math.inf)
+        mask = torch.zeros(hidden.shape, dtype=compute, device=kv.device)
+        mask.masked_fill_(hidden, -math.inf)
         kv = kv[:, None]
         o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, kv, kv, 0.0, False, attn_mask=mask[:, None], scale=scale
