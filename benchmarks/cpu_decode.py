@@ -33,7 +33,8 @@ def make_inputs(batch: int, heads: int, context: int, block_size: int, dtype: to
 
 
 def gemm_flops_per_second(heads: int, repeats: int = 9) -> float:
-    """FLOP/s of the decode's own GEMM shapes (QK^T and PV over a 256-token chunk), fp32."""
+    """FLOP/s of the decode's GEMM shapes (QK^T and PV of 8 requests over 256 tokens), fp32:
+    the compute roofline. (On the CPU the decode runs them inside the fused attention call.)"""
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(8, heads, 576, generator=gen)
     kv = torch.randn(8, 256, 576, generator=gen)
