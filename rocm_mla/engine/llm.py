@@ -204,6 +204,63 @@ def placement(world: int, device: str | torch.device | None) -> tuple[str, str]:
     return "nccl", "cuda"
 
 
+def check_prompts(
+    config: KimiK3Config, prompt_token_ids: list[list[int]], max_new_tokens: int = 0
+) -> list[list[int]]:
+    """``prompt_token_ids`` as lists of ints, each id in the vocabulary and each prompt plus
+    ``max_new_tokens`` within the model's positions; ``ValueError`` naming the entry."""
+    if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+        raise ValueError("prompt_token_ids: expected a non-empty list of token-id lists")
+    vocab = config.vocab_size
+    limit = config.max_position_embeddings
+    prompts = []
+    for i, prompt in enumerate(prompt_token_ids):
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+            raise ValueError(f"prompt_token_ids[{i}]: expected a list of ints, got {prompt!r}")
+        ids = [_token_id(t, f"prompt_token_ids[{i}][{j}]") for j, t in enumerate(prompt)]
+        if not ids:
+            raise ValueError(f"prompt_token_ids[{i}]: a prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids[{i}]: token ids must lie in [0, {vocab}), got {bad[:5]}"
+            )
+        if len(ids) + max_new_tokens > limit:
+            raise ValueError(
+                f"max_new_tokens: prompt {i} has {len(ids)} tokens, + max_new_tokens="
+                f"{max_new_tokens} passes the model's max_position_embeddings={limit}"
+                if max_new_tokens
+                else f"prompt_token_ids[{i}]: {len(ids)} tokens pass the model's "
+                f"max_position_embeddings={limit}"
+            )
+        prompts.append(ids)
+    return prompts
+
+
+def check_generate_args(
+    config: KimiK3Config,
+    prompt_token_ids: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_token_id: int | Collection[int] | None = None,
+) -> tuple[list[list[int]], tuple[int, ...]]:
+    """``LLM.generate``'s checks, usable before an engine exists: ``(prompts, eos ids)``."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens}")
+    prompts = check_prompts(config, prompt_token_ids, max_new_tokens)
+    if isinstance(temperature, bool) or not (
+        isinstance(temperature, (int, float)) and 0.0 <= temperature < float("inf")
+    ):
+        raise ValueError(f"temperature: expected a finite float >= 0, got {temperature!r}")
+    if eos_token_id is None:
+        return prompts, ()
+    if isinstance(eos_token_id, (list, tuple, set, frozenset)):
+        return prompts, tuple(_token_id(t, "eos_token_id") for t in eos_token_id)
+    return prompts, (_token_id(eos_token_id, "eos_token_id"),)
+
+
 @dataclasses.dataclass(frozen=True)
 class _EnginePlan:
     """What ``LLM`` will do, decided from its arguments before any of it is done."""
@@ -769,36 +826,6 @@ class LLM:
 
     # ---- public API -----------------------------------------------------------------------
 
-    def _check_prompts(
-        self, prompt_token_ids: list[list[int]], max_new_tokens: int = 0
-    ) -> list[list[int]]:
-        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-            raise ValueError("prompt_token_ids: expected a non-empty list of token-id lists")
-        vocab = self.config.vocab_size
-        limit = self.config.max_position_embeddings
-        prompts = []
-        for i, prompt in enumerate(prompt_token_ids):
-            if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-                raise ValueError(f"prompt_token_ids[{i}]: expected a list of ints, got {prompt!r}")
-            ids = [_token_id(t, f"prompt_token_ids[{i}][{j}]") for j, t in enumerate(prompt)]
-            if not ids:
-                raise ValueError(f"prompt_token_ids[{i}]: a prompt needs at least one token")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(
-                    f"prompt_token_ids[{i}]: token ids must lie in [0, {vocab}), got {bad[:5]}"
-                )
-            if len(ids) + max_new_tokens > limit:
-                raise ValueError(
-                    f"max_new_tokens: prompt {i} has {len(ids)} tokens, + max_new_tokens="
-                    f"{max_new_tokens} passes the model's max_position_embeddings={limit}"
-                    if max_new_tokens
-                    else f"prompt_token_ids[{i}]: {len(ids)} tokens pass the model's "
-                    f"max_position_embeddings={limit}"
-                )
-            prompts.append(ids)
-        return prompts
-
     def generate(
         self,
         prompt_token_ids: list[list[int]],
@@ -823,21 +850,9 @@ class LLM:
                 argument to raise); nothing ran.
             WorkerError: a worker raised or died; names the rank. The engine is closed.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens}")
-        prompts = self._check_prompts(prompt_token_ids, max_new_tokens)
-        if isinstance(temperature, bool) or not (
-            isinstance(temperature, (int, float)) and 0.0 <= temperature < float("inf")
-        ):
-            raise ValueError(f"temperature: expected a finite float >= 0, got {temperature!r}")
-        if eos_token_id is None:
-            eos: tuple[int, ...] = ()
-        elif isinstance(eos_token_id, (list, tuple, set, frozenset)):
-            eos = tuple(_token_id(t, "eos_token_id") for t in eos_token_id)
-        else:
-            eos = (_token_id(eos_token_id, "eos_token_id"),)
+        prompts, eos = check_generate_args(
+            self.config, prompt_token_ids, max_new_tokens, temperature, eos_token_id
+        )
         progress = _ProgressLine(len(prompts)) if show_progress else None
         return self._call(
             "generate", prompts, max_new_tokens, float(temperature), eos, progress=progress
@@ -846,7 +861,7 @@ class LLM:
     def score(self, prompt_token_ids: list[list[int]]) -> list[torch.Tensor]:
         """Prefill logits per prompt, on the CPU: ``[len(prompt), vocab]``, row ``i`` predicts
         token ``i + 1``."""
-        return self._call("score", self._check_prompts(prompt_token_ids))
+        return self._call("score", check_prompts(self.config, prompt_token_ids))
 
     def close(self) -> None:
         """Stop the workers (or leave the torchrun group); idempotent, bounded (idle workers
