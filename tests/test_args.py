@@ -228,7 +228,7 @@ def _cases(tiny: str, root: Path) -> list[tuple[str, list[str], dict, str]]:
     key = "model.layers.0.input_layernorm.weight"
     tensors[key] = tensors[key].to(torch.int32)
     save_file(tensors, str(int32 / "model.safetensors"), metadata={"format": "pt"})
-    cases.append(("int32", [*gen, str(int32)], {}, f"{key} (model.safetensors): expected a f"))
+    cases.append(("int32", [*gen, str(int32)], {}, f"{key}: expected a floating-point dtype"))
     tok = Path(_edit_config(tiny, root / "tokenizer", lambda raw: None))
     (tok / "tokenizer.json").write_text("{not json")
     cases.append(("tokenizer", [*gen, str(tok)], {}, "--model: the tokenizer files in"))

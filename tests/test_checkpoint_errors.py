@@ -192,8 +192,8 @@ def test_integer_tensor_where_a_float_belongs_names_key_file_and_dtype(kl_dir, t
     with pytest.raises(CheckpointError) as err:
         load_model(model)
     text = str(err.value)
-    assert f"{key} (model.safetensors): expected a floating-point dtype" in text, text
-    assert "got I32" in text and "missing" not in text, text
+    assert f"{key}: expected a floating-point dtype" in text, text
+    assert "got I32 (in model.safetensors)" in text and "missing" not in text, text
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.bool])

@@ -218,7 +218,7 @@ def load_model(
                 else:
                     problem = _read_into(f, key, name, params[name], tp_rank, tp_size, dtype, file)
                 if problem:
-                    misshaped[key] = f"{key} ({file}): {problem}"
+                    misshaped[key] = f"{key}: {problem} (in {file})"
                 else:
                     loaded.add(name)
     missing = [_ckpt_name(n, config.arch) for n in params if n not in loaded]
@@ -329,7 +329,7 @@ def _read_into(
         shape = list(sl.get_shape())
         got = sl.get_dtype()
         if param.dtype == torch.uint8 and got != "U8":
-            return f"expected dtype U8 (MXFP4 packed codes / e8m0 scales), got {got}"
+            return f"expected dtype uint8 (MXFP4 packed codes / e8m0 scales), got {got}"
         if param.dtype != torch.uint8 and got not in FLOAT_DTYPES:
             return f"expected a floating-point dtype {FLOAT_DTYPES}, got {got}"
         dim = tp_shard_dim(name)
