@@ -248,14 +248,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens: expected an int >= 0, got {args.max_new_tokens}")
+    # Both runs on the same device, so "identical" compares the split, not two devices'
+    # rounding; with fewer GPUs than ranks that device is the CPU (placement says so).
+    _, device = placement(args.pp * args.tp, args.device)
+    kwargs = {**_engine_kwargs(args), "device": device}
     with tempfile.TemporaryDirectory(prefix="rocm-mla-demo-") as tmp:
         path = str(make_tiny("kimi_k3", Path(tmp) / "kimi_k3-tiny"))
         # Every argument of the split run is checked before the single-process run starts.
-        LLM.check(path, **_engine_kwargs(args))
-        # Both runs on the same device, so "identical" compares the split, not two devices'
-        # rounding; with fewer GPUs than ranks that device is the CPU (placement says so).
-        _, device = placement(args.pp * args.tp, args.device)
-        kwargs = {**_engine_kwargs(args), "device": device}
+        LLM.check(path, **kwargs)
         layout = f"pp={args.pp}, tp={args.tp}, dcp={args.dcp}" + (
             f" (interleave {args.dcp_interleave})" if args.dcp_interleave is not None else ""
         )
