@@ -266,6 +266,7 @@ class _EnginePlan:
     """What ``LLM`` will do, decided from its arguments before any of it is done."""
 
     path: str
+    layout: ParallelLayout
     config: KimiK3Config
     options: EngineOptions
     #: Single process: its device. Spawned workers: their process-group backend.
@@ -350,7 +351,7 @@ def _plan(
         _check_memory(config, options, run_device, 1)
     elif group_backend is not None:
         _check_memory(config, options, kind, world)
-    return _EnginePlan(path, config, options, run_device, group_backend)
+    return _EnginePlan(path, layout, config, options, run_device, group_backend)
 
 
 def _check_memory(
@@ -775,8 +776,8 @@ class LLM:
             max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype, seed=seed,
             enforce_eager=enforce_eager, launcher=launcher, call_timeout_s=call_timeout_s,
         )  # fmt: skip
-        self.path, self.config, self.options = plan.path, plan.config, plan.options
-        self.layout = ParallelLayout(pp=pp, tp=tp, dcp=dcp)
+        self.path, self.layout, self.config = plan.path, plan.layout, plan.config
+        self.options = plan.options
         self.worker_pids: list[int] = []
         self._launcher = launcher
         if launcher == "torchrun":
