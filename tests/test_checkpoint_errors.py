@@ -349,3 +349,18 @@ def test_the_model_package_has_no_import_cycle():
 
     cycles = sorted(m for m in graph if reaches(m, m, {m}))
     assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_tp_checks_only_the_dimensions_of_layers_the_model_has():
+    # An all-MoE K3 config without intermediate_size (default 11008, not a multiple of 3)
+    # shards no dense MLP, so tp=3 is fine; one dense layer makes the default count.
+    raw = _raw("kimi_k3")
+    text = raw["text_config"]
+    text.pop("intermediate_size")
+    text.update(num_attention_heads=12, num_key_value_heads=12, first_k_dense_replace=0)
+    text["moe_intermediate_size"] = 48
+    text["linear_attn_config"]["num_heads"] = 12
+    KimiK3Config.from_dict(raw).check_tp(3)
+    text["first_k_dense_replace"] = 1
+    with pytest.raises(ValueError, match="intermediate_size: expected a multiple of tp_size=3"):
+        KimiK3Config.from_dict(raw).check_tp(3)

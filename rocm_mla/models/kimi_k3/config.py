@@ -264,15 +264,24 @@ class KimiK3Config:
             )
 
     def check_tp(self, tp_size: int) -> None:
-        """Raise ``ValueError`` when a sharded dimension is not divisible by ``tp_size``."""
+        """Raise ``ValueError`` when a sharded dimension is not divisible by ``tp_size``.
+
+        Only the dimensions of layers the model has count: an all-MoE config's (absent, hence
+        default) ``intermediate_size`` shards nothing.
+        """
+        layers = range(self.num_hidden_layers)
         dims = {
-            "num_attention_heads": self.num_attention_heads,
-            "linear_attn_config.num_heads": self.kda_num_heads,
-            "intermediate_size": self.intermediate_size,
-            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_attention_heads": (self.num_attention_heads, any(map(self.is_mla, layers))),
+            "linear_attn_config.num_heads": (
+                self.kda_num_heads,
+                not all(map(self.is_mla, layers)),
+            ),
+            "intermediate_size": (self.intermediate_size, not all(map(self.is_moe, layers))),
+            "moe_intermediate_size": (self.moe_intermediate_size, any(map(self.is_moe, layers))),
         }
-        for name, value in dims.items():
-            _check(value % tp_size == 0, name, f"a multiple of tp_size={tp_size}", value)
+        for name, (value, used) in dims.items():
+            if used:
+                _check(value % tp_size == 0, name, f"a multiple of tp_size={tp_size}", value)
         if self.routed_expert_quant is not None:
             local = self.moe_intermediate_size // tp_size
             _check(
