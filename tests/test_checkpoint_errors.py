@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from rocm_mla.models.kimi_k3 import KimiK3Config, load_model, make_tiny
 from rocm_mla.models.kimi_k3 import limits as limits_module
+from rocm_mla.models.kimi_k3 import loader as loader_module
 from rocm_mla.models.kimi_k3.limits import check_memory, stage_parameter_bytes
 from rocm_mla.models.kimi_k3.loader import CheckpointError
 from rocm_mla.models.kimi_k3.model import KimiK3ForCausalLM
@@ -173,9 +174,14 @@ def _copy_checkpoint(src: Path, dst: Path) -> Path:
         ("[" * 100_000, r"index\.json: JSON nested too deeply"),
     ],
 )
-def test_malformed_index_json_names_the_file(kl_dir, tmp_path, content, match):
+def test_malformed_index_json_names_the_file(kl_dir, tmp_path, monkeypatch, content, match):
     model = _copy_checkpoint(kl_dir, tmp_path / "model")
     (model / "model.safetensors.index.json").write_text(content)
+
+    def build(*args, **kwargs):
+        raise AssertionError("the model was built before the index was read")
+
+    monkeypatch.setattr(loader_module, "KimiK3ForCausalLM", build)
     with pytest.raises(CheckpointError, match=match) as err:
         load_model(model)
     assert str(model / "model.safetensors.index.json") in _one_line_error(err)

@@ -184,6 +184,7 @@ def load_model(
         tp=tp_size,
         param_itemsize=dtype.itemsize if dtype is not None else None,
     )
+    files = _files(path)  # a malformed index fails here, before anything is allocated
     with torch.device("meta"):
         model = KimiK3ForCausalLM(
             config, pp_rank=pp_rank, pp_size=pp_size, tp_rank=tp_rank, tp_size=tp_size,
@@ -196,7 +197,7 @@ def load_model(
     loaded: set[str] = set()
     unexpected: list[str] = []
     misshaped: dict[str, str] = {}  # checkpoint key -> what is wrong with it
-    for file, keys in _files(path).items():
+    for file, keys in files.items():
         with _open(_inside(path, file)) as f:
             for key in keys:
                 name = _tied_name(_model_name(key, config.arch), config, model)
