@@ -113,8 +113,10 @@ def test_a_tokenizer_that_fails_to_decode_prints_the_ids_then_one_line(tiny, mon
     out, err = capsys.readouterr()
     assert code == 2
     assert "[0] prompt [1, 2] -> [" in out, out
-    assert err.count("\n") == 1, err
-    assert "--model: the tokenizer cannot decode prompt 0: KeyError" in err, err
+    # A slow machine may add generate's progress lines before it; the error is one line.
+    last = err.splitlines()[-1]
+    assert last.startswith("rocm-mla generate: --model: the tokenizer cannot decode prompt 0: ")
+    assert "KeyError" in last and "Traceback" not in err, err
 
 
 # ---- the CLI, in real processes -------------------------------------------------------------
