@@ -123,7 +123,8 @@ def test_a_tokenizer_that_fails_to_decode_prints_the_ids_then_one_line(tiny, mon
 
 #: Runs ``rocm_mla.cli.main`` once per case in a forked child, as the console script would
 #: (an uncaught exception prints its traceback and exits 1), and reports exit code, output
-#: and time of each. ``alarm`` bounds every child.
+#: and time of each (stderr through a file in the working directory). ``alarm`` bounds
+#: every child.
 DRIVER = r"""
 import json, os, sys, time, traceback
 import rocm_mla.cli as cli
@@ -137,7 +138,7 @@ for argv, env in json.load(sys.stdin):
         os.close(out_r)
         os.dup2(out_w, 1)
         os.dup2(os.open(os.devnull, os.O_WRONLY), 0)
-        err_file = os.open(f"/tmp/rocm-mla-args-{os.getpid()}.err", os.O_CREAT | os.O_WRONLY)
+        err_file = os.open(f"child-{os.getpid()}.err", os.O_CREAT | os.O_WRONLY)
         os.dup2(err_file, 2)
         os.environ.update(env)
         import signal
@@ -156,7 +157,7 @@ for argv, env in json.load(sys.stdin):
     with os.fdopen(out_r) as f:
         out = f.read()
     _, status = os.waitpid(pid, 0)
-    err_path = f"/tmp/rocm-mla-args-{pid}.err"
+    err_path = f"child-{pid}.err"
     with open(err_path) as f:
         err = f.read()
     os.unlink(err_path)
