@@ -100,13 +100,38 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _tokenizer(model_dir: str):
-    """A tokenizer stored in the checkpoint directory, loaded offline, or None if there is none."""
+    """A tokenizer stored in the checkpoint directory, loaded offline, or None if there is none.
+
+    Raises ``ValueError`` naming ``--model`` and the files when they are there but broken, so
+    that it fails before the engine loads, not after the generation.
+    """
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
-    if not any((Path(model_dir) / n).exists() for n in names):
+    present = [n for n in names if (Path(model_dir) / n).exists()]
+    if not present:
         return None
     from transformers import AutoTokenizer
+    from transformers.utils import logging
 
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    # transformers also reads config.json here and warns about model fields the tokenizer
+    # does not use; the only message that matters is ours.
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(
+            model_dir, local_files_only=True, trust_remote_code=False
+        )
+    except Exception as err:  # transformers fails in a different way for each file kind
+        raise ValueError(
+            f"--model: the tokenizer files in {model_dir} ({', '.join(present)}) cannot be "
+            f"loaded: {_first_line(err)}"
+        ) from None
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def _engine_kwargs(args: argparse.Namespace, *names: str) -> dict:
@@ -126,8 +151,9 @@ def _engine_kwargs(args: argparse.Namespace, *names: str) -> dict:
     return kwargs
 
 
-def _check_model_dir(model: str) -> None:
-    """Raise ``ValueError`` naming ``--model`` unless it is a directory with a valid config."""
+def _check_model_dir(model: str):
+    """The config of ``--model``; ``ValueError`` naming ``--model`` unless it is a directory
+    with a valid config."""
     from rocm_mla.models.kimi_k3 import KimiK3Config
 
     path = Path(model)
@@ -136,16 +162,25 @@ def _check_model_dir(model: str) -> None:
     if not (path / "config.json").is_file():
         raise ValueError(f"--model: {model} has no config.json (is it a checkpoint directory?)")
     try:
-        KimiK3Config.from_pretrained(path)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"--model: {path / 'config.json'}: {err}") from None
+        return KimiK3Config.from_pretrained(path)
+    except ValueError as err:  # names config.json and the key
+        raise ValueError(f"--model: {err}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from rocm_mla.engine import LLM
+    from rocm_mla.engine.llm import check_generate_args
 
-    prompts = [_parse_ids(p) for p in args.prompt_ids]
-    _check_model_dir(args.model)
+    config = _check_model_dir(args.model)
+    prompts, _ = check_generate_args(
+        config,
+        [_parse_ids(p) for p in args.prompt_ids],
+        args.max_new_tokens,
+        args.temperature,
+        args.eos_token_id,
+    )
+    printing = not (args.torchrun and int(os.environ.get("RANK", "0")) != 0)
+    tokenizer = _tokenizer(args.model) if printing else None
     start = time.perf_counter()
     llm = LLM(
         args.model,
@@ -163,19 +198,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
             show_progress=True,
         )
         elapsed = time.perf_counter() - loaded
-    if args.torchrun and int(os.environ.get("RANK", "0")) != 0:
+    if not printing:
         return 0
-    tokenizer = _tokenizer(args.model)
+    texts, failure = [], None
+    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+        if tokenizer is None or failure is not None:
+            break
+        try:
+            texts.append(tokenizer.decode(prompt + out))
+        except Exception as err:  # a tokenizer that loaded can still fail on some ids
+            failure = f"--model: the tokenizer cannot decode prompt {i}: {_first_line(err)}"
     layout = f"pp={args.pp} tp={args.tp} dcp={args.dcp} interleave={args.dcp_interleave}"
     print(f"{args.model} ({layout}): loaded in {loaded - start:.1f} s")
     for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
         print(f"[{i}] prompt {prompt} -> {out}")
-        if tokenizer is not None:
-            print(f"    text: {tokenizer.decode(prompt + out)!r}")
+        if i < len(texts):
+            print(f"    text: {texts[i]!r}")
     if tokenizer is None:
         print(f"(no tokenizer files in {args.model}: ids only)")
     total = sum(len(o) for o in outputs)
     print(f"{total} new tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s")
+    if failure is not None:
+        print(f"rocm-mla generate: {failure}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -197,18 +242,23 @@ def _run_demo_engine(path: str, max_new: int, **kwargs) -> tuple[list[list[int]]
 def cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
+    from rocm_mla.engine import LLM
     from rocm_mla.engine.llm import placement
     from rocm_mla.models.kimi_k3 import make_tiny
 
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens: expected an int >= 0, got {args.max_new_tokens}")
     # Both runs on the same device, so "identical" compares the split, not two devices'
     # rounding; with fewer GPUs than ranks that device is the CPU (placement says so).
     _, device = placement(args.pp * args.tp, args.device)
     kwargs = {**_engine_kwargs(args), "device": device}
-    layout = f"pp={args.pp}, tp={args.tp}, dcp={args.dcp}" + (
-        f" (interleave {args.dcp_interleave})" if args.dcp_interleave is not None else ""
-    )
     with tempfile.TemporaryDirectory(prefix="rocm-mla-demo-") as tmp:
         path = str(make_tiny("kimi_k3", Path(tmp) / "kimi_k3-tiny"))
+        # Every argument of the split run is checked before the single-process run starts.
+        LLM.check(path, **kwargs)
+        layout = f"pp={args.pp}, tp={args.tp}, dcp={args.dcp}" + (
+            f" (interleave {args.dcp_interleave})" if args.dcp_interleave is not None else ""
+        )
         print(f"tiny Kimi-K3 checkpoint (make-tiny): {path}")
         print(f"batch of {len(DEMO_PROMPTS)} prompts, lengths {[len(p) for p in DEMO_PROMPTS]}, "
               f"{args.max_new_tokens} new tokens each, greedy")  # fmt: skip

@@ -31,6 +31,7 @@ with the same arguments and gets the same result::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hmac
 import operator
@@ -52,7 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rocm_mla.backends import requested_backend
+from rocm_mla.backends import ENV_VAR, backend_class, requested_backend
 from rocm_mla.dcp import check_block_size
 from rocm_mla.distributed import (
     ParallelLayout,
@@ -100,13 +101,64 @@ def _positive_int(name: str, value: object) -> int:
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
         return dtype
-    if dtype not in _DTYPES:
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(
+        f"dtype: expected one of {sorted(_DTYPES)} (or that torch dtype) or None, got {dtype!r}"
+    )
+
+
+def _seed(seed: object) -> int:
+    # torch.Generator.manual_seed takes any 64-bit value; anything else is a typo.
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed: expected an int in [0, 2**64), got {seed!r}")
+    return seed
+
+
+def _check_backend(backend: object) -> None:
+    """The MLA backend asked for (``backend=``, else ``$ROCM_MLA_BACKEND``) exists and can run
+    on this machine; refused here, not at the first decode step after loading."""
+    if backend is not None and not isinstance(backend, str):
+        raise ValueError(f"backend: expected a backend name or None, got {backend!r}")
+    try:
+        name = requested_backend(backend)
+    except ValueError as err:
+        raise ValueError(f"backend: {err}" if backend is not None else str(err)) from None
+    if name == "auto":
+        return
+    reason = backend_class(name).unavailable_reason()
+    if reason is not None:
+        source = "backend" if backend is not None else ENV_VAR
         raise ValueError(
-            f"dtype: expected one of {sorted(_DTYPES)}, a torch dtype or None, got {dtype!r}"
+            f"{source}: MLA backend {name!r} cannot run on this machine: {reason}; choose "
+            "another (`rocm-mla info` lists them) or auto"
         )
-    return _DTYPES[dtype]
+
+
+def local_device(device: str | torch.device | None) -> torch.device:
+    """The device of a single-process engine: ``device``, or the first GPU torch sees, else
+    the CPU. Raises ``ValueError`` naming ``device`` for a GPU torch cannot see."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device) if isinstance(device, (str, torch.device)) else None
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu', 'cuda', 'cuda:N' or None, got {device!r}")
+    if dev.type == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= gpus:
+            build = "" if torch.version.cuda or torch.version.hip else " (a CPU-only torch build)"
+            raise ValueError(
+                f"device: {device!r} but torch {torch.__version__}{build} sees {gpus} GPU(s); "
+                "use device='cpu', or None to take a GPU only when there is one"
+            )
+    return dev
 
 
 def _token_id(value: object, where: str) -> int:
@@ -150,6 +202,177 @@ def placement(world: int, device: str | torch.device | None) -> tuple[str, str]:
             f"{gpus} GPU(s); use fewer ranks, or device='cpu' (gloo)"
         )
     return "nccl", "cuda"
+
+
+def check_prompts(
+    config: KimiK3Config, prompt_token_ids: list[list[int]], max_new_tokens: int = 0
+) -> list[list[int]]:
+    """``prompt_token_ids`` as lists of ints, each id in the vocabulary and each prompt plus
+    ``max_new_tokens`` within the model's positions; ``ValueError`` naming the entry."""
+    if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+        raise ValueError("prompt_token_ids: expected a non-empty list of token-id lists")
+    vocab = config.vocab_size
+    limit = config.max_position_embeddings
+    prompts = []
+    for i, prompt in enumerate(prompt_token_ids):
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+            raise ValueError(f"prompt_token_ids[{i}]: expected a list of ints, got {prompt!r}")
+        ids = [_token_id(t, f"prompt_token_ids[{i}][{j}]") for j, t in enumerate(prompt)]
+        if not ids:
+            raise ValueError(f"prompt_token_ids[{i}]: a prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids[{i}]: token ids must lie in [0, {vocab}), got {bad[:5]}"
+            )
+        if len(ids) + max_new_tokens > limit:
+            raise ValueError(
+                f"max_new_tokens: prompt {i} has {len(ids)} tokens, + max_new_tokens="
+                f"{max_new_tokens} passes the model's max_position_embeddings={limit}"
+                if max_new_tokens
+                else f"prompt_token_ids[{i}]: {len(ids)} tokens pass the model's "
+                f"max_position_embeddings={limit}"
+            )
+        prompts.append(ids)
+    return prompts
+
+
+def check_generate_args(
+    config: KimiK3Config,
+    prompt_token_ids: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_token_id: int | Collection[int] | None = None,
+) -> tuple[list[list[int]], tuple[int, ...]]:
+    """``LLM.generate``'s checks, usable before an engine exists: ``(prompts, eos ids)``."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens}")
+    prompts = check_prompts(config, prompt_token_ids, max_new_tokens)
+    if isinstance(temperature, bool) or not (
+        isinstance(temperature, (int, float)) and 0.0 <= temperature < float("inf")
+    ):
+        raise ValueError(f"temperature: expected a finite float >= 0, got {temperature!r}")
+    if eos_token_id is None:
+        return prompts, ()
+    if isinstance(eos_token_id, (list, tuple, set, frozenset)):
+        return prompts, tuple(_token_id(t, "eos_token_id") for t in eos_token_id)
+    return prompts, (_token_id(eos_token_id, "eos_token_id"),)
+
+
+@dataclasses.dataclass(frozen=True)
+class _EnginePlan:
+    """What ``LLM`` will do, decided from its arguments before any of it is done."""
+
+    path: str
+    layout: ParallelLayout
+    config: KimiK3Config
+    options: EngineOptions
+    #: Single process: its device. Spawned workers: their process-group backend.
+    device: torch.device | None
+    group_backend: str | None
+
+
+def _plan(
+    model: str | os.PathLike,
+    *,
+    pp: int = 1,
+    tp: int = 1,
+    dcp: int = 1,
+    backend: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    block_size: int = EngineOptions.block_size,
+    dcp_interleave: int = EngineOptions.dcp_interleave,
+    device: str | torch.device | None = None,
+    num_blocks: int = EngineOptions.num_blocks,
+    max_num_seqs: int = EngineOptions.max_num_seqs,
+    kv_cache_dtype: str | torch.dtype | None = "auto",
+    seed: int = EngineOptions.seed,
+    enforce_eager: bool = False,
+    launcher: str = "spawn",
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+) -> _EnginePlan:
+    """Every check of ``LLM``'s arguments, its config and its memory, in that order; each
+    failure a ``ValueError`` naming the argument (or config file and key)."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model: expected a checkpoint directory path, got {model!r}")
+    path = str(Path(model))
+    if not Path(path).is_dir():
+        raise ValueError(f"model: {path} is not a directory")
+    for name, value in (
+        ("pp", pp),
+        ("tp", tp),
+        ("dcp", dcp),
+        ("block_size", block_size),
+        ("dcp_interleave", dcp_interleave),
+        ("num_blocks", num_blocks),
+        ("max_num_seqs", max_num_seqs),
+    ):
+        _positive_int(name, value)
+    layout = ParallelLayout(pp=pp, tp=tp, dcp=dcp)
+    check_block_size(block_size, dcp_interleave)
+    if launcher not in ("spawn", "torchrun"):
+        raise ValueError(f"launcher: expected 'spawn' or 'torchrun', got {launcher!r}")
+    if isinstance(call_timeout_s, bool) or not (
+        isinstance(call_timeout_s, (int, float)) and call_timeout_s > 0
+    ):
+        raise ValueError(f"call_timeout_s: expected seconds > 0, got {call_timeout_s!r}")
+    options = EngineOptions(
+        pp=pp,
+        tp=tp,
+        dcp=dcp,
+        dcp_interleave=dcp_interleave,
+        backend=backend,
+        dtype=_dtype(dtype),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        kv_cache_dtype=kv_cache_dtype,
+        seed=_seed(seed),
+        enforce_eager=_bool("enforce_eager", enforce_eager),
+    )
+    resolve_cache_dtype(kv_cache_dtype, torch.float32)
+    _check_backend(backend)
+    world = layout.world_size
+    run_device: torch.device | None = None
+    group_backend: str | None = None
+    if launcher == "spawn" and world == 1:
+        run_device = local_device(device)
+    elif launcher == "spawn":
+        group_backend, kind = placement(world, device)
+    config = KimiK3Config.from_pretrained(path)
+    if pp > config.num_hidden_layers:
+        raise ValueError(
+            f"pp: {pp} stages for {config.num_hidden_layers} layers leaves a stage empty"
+        )
+    config.check_tp(tp)
+    if run_device is not None:
+        _check_memory(config, options, run_device, 1)
+    elif group_backend is not None:
+        _check_memory(config, options, kind, world)
+    return _EnginePlan(path, layout, config, options, run_device, group_backend)
+
+
+def _check_memory(
+    config: KimiK3Config, options: EngineOptions, device: str | torch.device, ranks: int
+) -> None:
+    """Weights and caches of ``ranks`` ranks against this host's (or a GPU's) free memory,
+    before anything is allocated."""
+    itemsize = options.dtype.itemsize if options.dtype is not None else None
+    kv_dtype = resolve_cache_dtype(options.kv_cache_dtype, options.dtype or torch.int8)
+    check_memory(
+        config,
+        device=device,
+        pp=options.pp,
+        tp=options.tp,
+        ranks_here=ranks,
+        param_itemsize=itemsize,
+        num_blocks=options.num_blocks,
+        block_size=options.block_size,
+        kv_itemsize=kv_dtype.itemsize,
+        max_num_seqs=options.max_num_seqs,
+    )
 
 
 class _ProgressLine:
@@ -547,94 +770,37 @@ class LLM:
         self._closed = True
         self._group: WorkerGroup | None = None
         self._local: StageWorker | None = None
-        if not isinstance(model, (str, os.PathLike)):
-            raise ValueError(f"model: expected a checkpoint directory path, got {model!r}")
-        self.path = str(Path(model))
-        if not Path(self.path).is_dir():
-            raise ValueError(f"model: {self.path} is not a directory")
-        self.layout = ParallelLayout(pp=pp, tp=tp, dcp=dcp)
-        self.config = KimiK3Config.from_pretrained(self.path)
-        if pp > self.config.num_hidden_layers:
-            raise ValueError(
-                f"pp: {pp} stages for {self.config.num_hidden_layers} layers leaves a stage empty"
-            )
-        self.config.check_tp(tp)
-        for name, value in (
-            ("block_size", block_size),
-            ("dcp_interleave", dcp_interleave),
-            ("num_blocks", num_blocks),
-            ("max_num_seqs", max_num_seqs),
-        ):
-            _positive_int(name, value)
-        check_block_size(block_size, dcp_interleave)
-        if launcher not in ("spawn", "torchrun"):
-            raise ValueError(f"launcher: expected 'spawn' or 'torchrun', got {launcher!r}")
-        if isinstance(call_timeout_s, bool) or not (
-            isinstance(call_timeout_s, (int, float)) and call_timeout_s > 0
-        ):
-            raise ValueError(f"call_timeout_s: expected seconds > 0, got {call_timeout_s!r}")
-        # Bad names are rejected here, not later inside a worker.
-        resolve_cache_dtype(kv_cache_dtype, torch.float32)
-        if backend is not None:
-            requested_backend(backend)
-        self.options = EngineOptions(
-            pp=pp,
-            tp=tp,
-            dcp=dcp,
-            dcp_interleave=dcp_interleave,
-            backend=backend,
-            dtype=_dtype(dtype),
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            kv_cache_dtype=kv_cache_dtype,
-            seed=seed,
-            enforce_eager=_bool("enforce_eager", enforce_eager),
-        )
+        plan = _plan(
+            model, pp=pp, tp=tp, dcp=dcp, backend=backend, dtype=dtype, block_size=block_size,
+            dcp_interleave=dcp_interleave, device=device, num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype, seed=seed,
+            enforce_eager=enforce_eager, launcher=launcher, call_timeout_s=call_timeout_s,
+        )  # fmt: skip
+        self.path, self.layout, self.config = plan.path, plan.layout, plan.config
+        self.options = plan.options
         self.worker_pids: list[int] = []
         self._launcher = launcher
-        world = self.layout.world_size
         if launcher == "torchrun":
             state = init_parallel(pp, tp, dcp)
-            self._check_memory(state.device.type, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            _check_memory(plan.config, plan.options, state.device.type, ranks_here)
             self._local = StageWorker.load(self.path, self.options, state, state.device)
-        elif world == 1:
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            try:
-                device = torch.device(device)
-            except (RuntimeError, TypeError):
-                raise ValueError(
-                    f"device: expected 'cpu', 'cuda' or None, got {device!r}"
-                ) from None
-            self._check_memory(device, 1)
-            self._local = StageWorker.load(self.path, self.options, None, device)
+        elif plan.group_backend is None:
+            self._local = StageWorker.load(self.path, self.options, None, plan.device)
         else:
-            backend, kind = placement(world, device)
-            self._check_memory(kind, world)
-            self._group = WorkerGroup(self.path, self.options, backend, float(call_timeout_s))
+            self._group = WorkerGroup(
+                self.path, self.options, plan.group_backend, float(call_timeout_s)
+            )
             self.worker_pids = list(self._group.pids)
             # Stops the workers when this engine is collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, self._group.stop)
         self._closed = False
 
-    def _check_memory(self, device: str | torch.device, ranks: int) -> None:
-        """Parameters and caches of every rank against this host's (or a GPU's) free memory,
-        before anything is allocated."""
-        options = self.options
-        itemsize = options.dtype.itemsize if options.dtype is not None else None
-        kv_dtype = resolve_cache_dtype(options.kv_cache_dtype, options.dtype or torch.int8)
-        check_memory(
-            self.config,
-            device=device,
-            pp=options.pp,
-            tp=options.tp,
-            ranks_here=ranks,
-            param_itemsize=itemsize,
-            num_blocks=options.num_blocks,
-            block_size=options.block_size,
-            kv_itemsize=kv_dtype.itemsize,
-            max_num_seqs=options.max_num_seqs,
-        )
+    @staticmethod
+    def check(model: str | os.PathLike, **kwargs: object) -> None:
+        """Raise the ``ValueError`` that ``LLM(model, **kwargs)`` would raise for its arguments,
+        its config or its memory, without loading weights or starting a process."""
+        _plan(model, **kwargs)
 
     # ---- calls ----------------------------------------------------------------------------
 
@@ -661,36 +827,6 @@ class LLM:
 
     # ---- public API -----------------------------------------------------------------------
 
-    def _check_prompts(
-        self, prompt_token_ids: list[list[int]], max_new_tokens: int = 0
-    ) -> list[list[int]]:
-        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-            raise ValueError("prompt_token_ids: expected a non-empty list of token-id lists")
-        vocab = self.config.vocab_size
-        limit = self.config.max_position_embeddings
-        prompts = []
-        for i, prompt in enumerate(prompt_token_ids):
-            if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-                raise ValueError(f"prompt_token_ids[{i}]: expected a list of ints, got {prompt!r}")
-            ids = [_token_id(t, f"prompt_token_ids[{i}][{j}]") for j, t in enumerate(prompt)]
-            if not ids:
-                raise ValueError(f"prompt_token_ids[{i}]: a prompt needs at least one token")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(
-                    f"prompt_token_ids[{i}]: token ids must lie in [0, {vocab}), got {bad[:5]}"
-                )
-            if len(ids) + max_new_tokens > limit:
-                raise ValueError(
-                    f"max_new_tokens: prompt {i} has {len(ids)} tokens, + max_new_tokens="
-                    f"{max_new_tokens} passes the model's max_position_embeddings={limit}"
-                    if max_new_tokens
-                    else f"prompt_token_ids[{i}]: {len(ids)} tokens pass the model's "
-                    f"max_position_embeddings={limit}"
-                )
-            prompts.append(ids)
-        return prompts
-
     def generate(
         self,
         prompt_token_ids: list[list[int]],
@@ -715,21 +851,9 @@ class LLM:
                 argument to raise); nothing ran.
             WorkerError: a worker raised or died; names the rank. The engine is closed.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens}")
-        prompts = self._check_prompts(prompt_token_ids, max_new_tokens)
-        if isinstance(temperature, bool) or not (
-            isinstance(temperature, (int, float)) and 0.0 <= temperature < float("inf")
-        ):
-            raise ValueError(f"temperature: expected a finite float >= 0, got {temperature!r}")
-        if eos_token_id is None:
-            eos: tuple[int, ...] = ()
-        elif isinstance(eos_token_id, (list, tuple, set, frozenset)):
-            eos = tuple(_token_id(t, "eos_token_id") for t in eos_token_id)
-        else:
-            eos = (_token_id(eos_token_id, "eos_token_id"),)
+        prompts, eos = check_generate_args(
+            self.config, prompt_token_ids, max_new_tokens, temperature, eos_token_id
+        )
         progress = _ProgressLine(len(prompts)) if show_progress else None
         return self._call(
             "generate", prompts, max_new_tokens, float(temperature), eos, progress=progress
@@ -738,7 +862,7 @@ class LLM:
     def score(self, prompt_token_ids: list[list[int]]) -> list[torch.Tensor]:
         """Prefill logits per prompt, on the CPU: ``[len(prompt), vocab]``, row ``i`` predicts
         token ``i + 1``."""
-        return self._call("score", self._check_prompts(prompt_token_ids))
+        return self._call("score", check_prompts(self.config, prompt_token_ids))
 
     def close(self) -> None:
         """Stop the workers (or leave the torchrun group); idempotent, bounded (idle workers

@@ -14,6 +14,7 @@ transformers' ``KimiLinearConfig``, the model that the parity tests compare agai
 key                    kimi_k3 (released config class)      kimi_linear (transformers)
 =====================  ===================================  =================================
 rms_norm_eps           1e-6                                 1e-5
+intermediate_size      11008                                9216
 num_shared_experts     0                                    1 (``n_shared_experts``)
 first_k_dense_replace  0 (every layer MoE)                  1 (layer 0 dense)
 mla_use_nope           False (RoPE on the rope dims)        True (transformers never rotates)
@@ -21,8 +22,8 @@ routed_scaling_factor  1.0                                  2.446
 linear_attn_config     absent: no KDA layer (all MLA)       every 4th layer MLA (0-based i%4==0,
                                                             i>0), 32 heads x 128, conv 4
 activation_situ_beta,  refused when ``hidden_act`` is       (SiLU: unused)
-activation_situ_       "situ": the class defaults them to
-linear_beta            None, which has no SiTU meaning
+activation_situ_       "situ" (see below)
+linear_beta
 tie_word_embeddings    False (top level for K3)             False
 logit_scale            1.0 (logits unscaled)                1.0
 quantization_config    absent: plain weights                absent: plain weights
@@ -31,18 +32,27 @@ quantization_config    absent: plain weights                absent: plain weight
 The MLA latent norms (``q_a_layernorm``, ``kv_a_layernorm``) use ``rms_norm_eps`` for K3 (the
 released reading) and transformers' fixed 1e-6 for Kimi-Linear (``latent_norm_eps`` overrides
 both).
+
+A SiTU config without its betas is refused rather than given a value: the released config
+class defaults both to None, and vLLM reads that two ways, its dense/shared MLP as beta 1.0
+with the up projection unclipped, while its fused-MoE kernels refuse a SiTU layer without
+``activation_situ_beta``. No one reading would match every upstream path, and the released
+K3 config sets both (4.0 / 25.0).
+
+``moe_renormalize`` divides the chosen weights by their sum for every ``top_k``, 1 included
+(a single routed weight becomes 1 before ``routed_scaling_factor``), as vLLM's
+routers (grouped and biased top-k) and transformers' ``KimiLinear`` router do.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rocm_mla.models.kimi_k3.limits import checkpoint_file
+from rocm_mla.models.kimi_k3.files import checkpoint_file, json_kind, read_json_object
 from rocm_mla.models.kimi_k3.mxfp4 import GROUP_SIZE, parse_quantization_config
 
 ARCHS = ("kimi_k3", "kimi_linear")
@@ -56,12 +66,14 @@ TRANSFORMERS_LATENT_NORM_EPS = 1e-6
 _ABSENT_DEFAULTS: dict[str, dict[str, Any]] = {
     "kimi_k3": {
         "rms_norm_eps": 1e-6,
+        "intermediate_size": 11008,
         "num_shared_experts": 0,
         "mla_use_nope": False,
         "routed_scaling_factor": 1.0,
     },
     "kimi_linear": {
         "rms_norm_eps": 1e-5,
+        "intermediate_size": 9216,
         "num_shared_experts": 1,
         "mla_use_nope": True,
         "routed_scaling_factor": 2.446,
@@ -252,15 +264,24 @@ class KimiK3Config:
             )
 
     def check_tp(self, tp_size: int) -> None:
-        """Raise ``ValueError`` when a sharded dimension is not divisible by ``tp_size``."""
+        """Raise ``ValueError`` when a sharded dimension is not divisible by ``tp_size``.
+
+        Only the dimensions of layers the model has count: an all-MoE config's (absent, hence
+        default) ``intermediate_size`` shards nothing.
+        """
+        layers = range(self.num_hidden_layers)
         dims = {
-            "num_attention_heads": self.num_attention_heads,
-            "linear_attn_config.num_heads": self.kda_num_heads,
-            "intermediate_size": self.intermediate_size,
-            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_attention_heads": (self.num_attention_heads, any(map(self.is_mla, layers))),
+            "linear_attn_config.num_heads": (
+                self.kda_num_heads,
+                not all(map(self.is_mla, layers)),
+            ),
+            "intermediate_size": (self.intermediate_size, not all(map(self.is_moe, layers))),
+            "moe_intermediate_size": (self.moe_intermediate_size, any(map(self.is_moe, layers))),
         }
-        for name, value in dims.items():
-            _check(value % tp_size == 0, name, f"a multiple of tp_size={tp_size}", value)
+        for name, (value, used) in dims.items():
+            if used:
+                _check(value % tp_size == 0, name, f"a multiple of tp_size={tp_size}", value)
         if self.routed_expert_quant is not None:
             local = self.moe_intermediate_size // tp_size
             _check(
@@ -340,11 +361,20 @@ class KimiK3Config:
         file = checkpoint_file(path, "config.json") if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no config.json at {file}")
-        return cls.from_dict(json.loads(file.read_text()))
+        raw = read_json_object(file)
+        try:
+            return cls.from_dict(raw)
+        except ValueError as err:
+            raise ValueError(f"{file}: {err}") from None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> KimiK3Config:
-        """Parse a config.json dict (K3 nested or Kimi-Linear flat). ValueError names the field."""
+        """Parse a config.json dict (K3 nested or Kimi-Linear flat). ValueError names the field.
+
+        Structure is checked before use: objects where objects belong, lists of the right
+        items, booleans as booleans; nothing is coerced.
+        """
+        _expect(isinstance(raw, dict), "config.json", "a JSON object", raw)
         model_type = raw.get("model_type")
         if model_type == "kimi_k3":
             text = raw.get("text_config")
@@ -450,6 +480,30 @@ def _check(ok: bool, name: str, expected: str, got: Any) -> None:
         raise ValueError(f"{name}: expected {expected}, got {got!r}")
 
 
+def _expect(ok: bool, name: str, expected: str, value: Any) -> None:
+    """``_check`` for a JSON value of the wrong kind: says which kind came (``a list of 2``)."""
+    if not ok:
+        raise ValueError(f"{name}: expected {expected}, got {json_kind(value)}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _object(text: dict[str, Any], key: str) -> dict[str, Any]:
+    """``text[key]`` as a JSON object; absent or null is an empty one."""
+    value = text.get(key)
+    if value is None:
+        return {}
+    _expect(isinstance(value, dict), key, "an object or null", value)
+    return value
+
+
+def _list(value: Any, key: str, items: str) -> list[Any]:
+    _expect(isinstance(value, list), key, f"a list of {items}", value)
+    return list(value)
+
+
 # Inclusive bounds of integer fields: a generous margin over every released Kimi model, low
 # enough that a typo (or a hostile file) fails here rather than in a terabyte allocation.
 _INT_RANGES: dict[str, tuple[int, int]] = {
@@ -538,12 +592,12 @@ def _resolve_aliases(text: dict[str, Any]) -> dict[str, Any]:
 
 
 def _parse_linear_attn(text: dict[str, Any], n: int) -> dict[str, Any]:
-    lac = text.get("linear_attn_config") or {}
+    lac = _object(text, "linear_attn_config")
     out: dict[str, Any] = {
         "kda_num_heads": lac.get("num_heads", text.get("linear_num_heads", 32)),
         "kda_head_dim": lac.get("head_dim", text.get("linear_head_dim", 128)),
         "kda_conv_size": lac.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4)),
-        "kda_full_rank_gate": bool(lac.get("use_full_rank_gate", False)),
+        "kda_full_rank_gate": lac.get("use_full_rank_gate", False),
         "kda_gate_lower_bound": lac.get("gate_lower_bound"),
     }
     for key, top in (
@@ -580,13 +634,15 @@ def _parse_top_level(raw: dict[str, Any], text: dict[str, Any], arch: str) -> di
 
 
 def _parse_layer_types(text: dict[str, Any], n: int, arch: str = "kimi_linear") -> list[str]:
-    lac = text.get("linear_attn_config") or {}
+    lac = _object(text, "linear_attn_config")
     from_lists = None
     if "full_attn_layers" in lac or "kda_layers" in lac:
-        full = list(lac.get("full_attn_layers", []))
-        kda = list(lac.get("kda_layers", []))
+        full, kda = (
+            _list(lac.get(name, []), f"linear_attn_config.{name}", "1-based layer numbers")
+            for name in ("full_attn_layers", "kda_layers")
+        )
         for name, values in (("full_attn_layers", full), ("kda_layers", kda)):
-            bad = [v for v in values if not (isinstance(v, int) and 1 <= v <= n)]
+            bad = [v for v in values if not (_is_int(v) and 1 <= v <= n)]
             _check(not bad, f"linear_attn_config.{name}", f"1-based layer numbers in [1, {n}]", bad)
         both = sorted(set(full) & set(kda))
         _check(not both, "linear_attn_config.kda_layers", "no layer also in full_attn_layers", both)
@@ -603,12 +659,13 @@ def _parse_layer_types(text: dict[str, Any], n: int, arch: str = "kimi_linear") 
         from_lists = ["full_attention" if i + 1 in full else "linear_attention" for i in range(n)]
     given = text.get("layer_types")
     if given is not None:
-        if from_lists is not None and list(given) != from_lists:
+        given = _list(given, "layer_types", f"layer types {ATTENTION_TYPES}")
+        if from_lists is not None and given != from_lists:
             raise ValueError(
                 "layer_types: contradicts linear_attn_config.full_attn_layers/kda_layers "
-                f"({list(given)} vs {from_lists})"
+                f"({given} vs {from_lists})"
             )
-        return list(given)
+        return given
     if from_lists is not None:
         return from_lists
     if arch == "kimi_k3":
@@ -618,14 +675,14 @@ def _parse_layer_types(text: dict[str, Any], n: int, arch: str = "kimi_linear") 
 
 def _parse_mlp_types(text: dict[str, Any], n: int, arch: str = "kimi_linear") -> list[str]:
     freq = text.get("moe_layer_freq", 1)
-    _check(isinstance(freq, int) and freq >= 1, "moe_layer_freq", "an int >= 1", freq)
+    _check(_is_int(freq) and freq >= 1, "moe_layer_freq", "an int >= 1", freq)
     first = text.get("first_k_dense_replace")
     if first is None and arch == "kimi_k3" and text.get("mlp_layer_types") is None:
         first = _FIRST_K_DENSE_DEFAULT[arch]
     derived = None
     if first is not None:
         _check(
-            isinstance(first, int) and 0 <= first <= n,
+            _is_int(first) and 0 <= first <= n,
             "first_k_dense_replace",
             f"in [0, {n}]",
             first,
@@ -633,12 +690,13 @@ def _parse_mlp_types(text: dict[str, Any], n: int, arch: str = "kimi_linear") ->
         derived = ["sparse" if i >= first and i % freq == 0 else "dense" for i in range(n)]
     given = text.get("mlp_layer_types")
     if given is not None:
-        if derived is not None and list(given) != derived:
+        given = _list(given, "mlp_layer_types", f"MLP types {MLP_TYPES}")
+        if derived is not None and given != derived:
             raise ValueError(
                 "mlp_layer_types: contradicts first_k_dense_replace/moe_layer_freq "
-                f"({list(given)} vs {derived})"
+                f"({given} vs {derived})"
             )
-        return list(given)
+        return given
     if derived is not None:
         return derived
     return ["dense"] + ["sparse"] * (n - 1)  # transformers: first_k_dense_replace 1

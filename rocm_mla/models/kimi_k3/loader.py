@@ -27,7 +27,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from rocm_mla.models.kimi_k3.config import KimiK3Config
-from rocm_mla.models.kimi_k3.limits import UnsafeCheckpointPath, check_memory, checkpoint_file
+from rocm_mla.models.kimi_k3.files import UnsafeCheckpointPath, checkpoint_file, read_json_object
+from rocm_mla.models.kimi_k3.limits import check_memory
 from rocm_mla.models.kimi_k3.model import KimiK3ForCausalLM
 from rocm_mla.models.kimi_k3.mxfp4 import quantization_config_block, quantize_mxfp4
 from rocm_mla.models.kimi_k3.ops import AllReduce, shard_range
@@ -48,6 +49,10 @@ _DENSE_ALIAS = re.compile(r"(layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_p
 _VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 _EXPERT_WEIGHT = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
 EXPERT_FORMATS = ("plain", "mxfp4")
+#: Safetensors dtypes a floating-point parameter may be stored in (cast to the load dtype).
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+#: ``load_model(dtype=)`` values: what the kernels and layers compute in.
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class CheckpointError(ValueError):
@@ -101,9 +106,12 @@ def _files(path: Path) -> dict[str, list[str]]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         _inside(path, index.name)
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        try:
+            weight_map = read_json_object(index).get("weight_map")
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: no 'weight_map' dict")
+            raise CheckpointError(f"{index}: weight_map: expected an object of name -> file")
         files: dict[str, list[str]] = {}
         for key, file in weight_map.items():
             if not isinstance(key, str) or not isinstance(file, str):
@@ -165,6 +173,8 @@ def load_model(
         CheckpointError: missing, unexpected or mis-shaped tensors (listed), or an unreadable
             (e.g. truncated) file.
     """
+    if dtype is not None and dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype: expected one of {MODEL_DTYPES} or None, got {dtype!r}")
     path = Path(path)
     config = KimiK3Config.from_pretrained(path)
     check_memory(
@@ -174,6 +184,7 @@ def load_model(
         tp=tp_size,
         param_itemsize=dtype.itemsize if dtype is not None else None,
     )
+    files = _files(path)  # a malformed index fails here, before anything is allocated
     with torch.device("meta"):
         model = KimiK3ForCausalLM(
             config, pp_rank=pp_rank, pp_size=pp_size, tp_rank=tp_rank, tp_size=tp_size,
@@ -185,8 +196,8 @@ def load_model(
     start, end = model.layer_range
     loaded: set[str] = set()
     unexpected: list[str] = []
-    misshaped: list[str] = []
-    for file, keys in _files(path).items():
+    misshaped: dict[str, str] = {}  # checkpoint key -> what is wrong with it
+    for file, keys in files.items():
         with _open(_inside(path, file)) as f:
             for key in keys:
                 name = _tied_name(_model_name(key, config.arch), config, model)
@@ -208,12 +219,11 @@ def load_model(
                 else:
                     problem = _read_into(f, key, name, params[name], tp_rank, tp_size, dtype, file)
                 if problem:
-                    misshaped.append(problem)
+                    misshaped[key] = f"{key}: {problem} (in {file})"
                 else:
                     loaded.add(name)
     missing = [_ckpt_name(n, config.arch) for n in params if n not in loaded]
-    misshaped_names = {m.split(":")[0] for m in misshaped}
-    missing = [m for m in missing if m not in misshaped_names]
+    missing = [m for m in missing if m not in misshaped]
     if missing or unexpected or misshaped:
         parts = [f"checkpoint {path} does not match the {config.arch} model:"]
         if missing:
@@ -221,7 +231,7 @@ def load_model(
         if unexpected:
             parts.append(_summary("unexpected tensors", unexpected))
         if misshaped:
-            parts.append(_summary("wrong shapes or dtypes", misshaped))
+            parts.append(_summary("wrong shapes or dtypes", list(misshaped.values())))
         hint = _format_hint(config, unexpected)
         if hint:
             parts.append(hint)
@@ -282,8 +292,10 @@ def _read_vocab_rows(
     try:
         sl = f.get_slice(key)
         shape = list(sl.get_shape())
+        if sl.get_dtype() not in FLOAT_DTYPES:
+            return f"expected a floating-point dtype {FLOAT_DTYPES}, got {sl.get_dtype()}"
         if shape != [vocab_size, dim]:
-            return f"{key}: expected shape {[vocab_size, dim]}, got {shape}"
+            return f"expected shape {[vocab_size, dim]}, got {shape}"
         start = tp_rank * rows
         end = min(start + rows, vocab_size)
         tensor = sl[start:end]
@@ -316,9 +328,11 @@ def _read_into(
     try:
         sl = f.get_slice(key)
         shape = list(sl.get_shape())
-        if param.dtype == torch.uint8 and sl.get_dtype() != "U8":
-            got = sl.get_dtype()
-            return f"{key}: expected dtype uint8 (MXFP4 packed codes / e8m0 scales), got {got}"
+        got = sl.get_dtype()
+        if param.dtype == torch.uint8 and got != "U8":
+            return f"expected dtype uint8 (MXFP4 packed codes / e8m0 scales), got {got}"
+        if param.dtype != torch.uint8 and got not in FLOAT_DTYPES:
+            return f"expected a floating-point dtype {FLOAT_DTYPES}, got {got}"
         dim = tp_shard_dim(name)
         local = list(param.shape)
         if name.endswith("A_log"):
@@ -327,7 +341,7 @@ def _read_into(
             full = sl[:].reshape(-1)
             heads = local[0] * tp_size
             if full.numel() < heads:
-                return f"{key}: has {full.numel()} entries, need >= {heads}"
+                return f"has {full.numel()} entries, need >= {heads}"
             lo, hi = shard_range(heads, tp_rank, tp_size)
             tensor = full[lo:hi]
         else:
@@ -335,7 +349,7 @@ def _read_into(
             if dim is not None:
                 expected[dim] *= tp_size
             if shape != expected and not _is_2d_conv(name, shape, expected):
-                return f"{key}: expected shape {expected}, got {shape}"
+                return f"expected shape {expected}, got {shape}"
             if dim is None:
                 tensor = sl[:]
             else:
