@@ -604,9 +604,17 @@ def _kv_facts(ttgir: dict, block_n: int) -> dict:
     in_loop_allocs = [
         op for op in ops if op[1] == "ttg.local_alloc" and op[2] and kv_shaped(op[3].split("->")[0])
     ]
-    # A multi-buffered alloc outside the loop holds the stages; else a tile stored inside the
-    # loop is one buffer; else the tiles stay in registers.
-    buffers = min(a[0] for a in kv_allocs) if kv_allocs else 1 if in_loop_allocs else 0
+    # Stages per KV part: a multi-buffered alloc outside the loop holds N; a tile loaded in
+    # the loop that is not stored into such an alloc (kept in registers or stored into a
+    # one-tile alloc) has 1. The tile's stages are its worst part's.
+    stored = {o for op in ops if op[1] == "ttg.local_store" for o in op[2][:1]}
+    synchronous = [
+        op[0]
+        for op in ops
+        if op[1] in ("tt.load", "amdg.buffer_load") and kv_shaped(op[3]) and op[0] not in stored
+    ]
+    parts = [a[0] for a in kv_allocs] + [1] * len(synchronous)
+    buffers = min(parts) if parts else 1 if in_loop_allocs else 0
     async_ops = [
         op[1]
         for op in ops
@@ -636,6 +644,7 @@ def _kv_facts(ttgir: dict, block_n: int) -> dict:
     return {
         "kv_buffers": buffers,
         "kv_allocs": kv_allocs,
+        "synchronous_kv_loads_in_loop": len(synchronous),
         "async_copies_in_loop": len(async_ops),
         "async_wait_nums": [int(w.group(1)) for w in waits if w],
         "kv_round_trips": round_trips,

@@ -205,7 +205,17 @@ class TestReaders:
         assert facts["kv_round_trips"] == ["ttg.local_alloc"] and facts["guard_on_smem_tile"]
         clean = [line for line in loop if "local_alloc" not in line]
         facts = ks._kv_facts(ks.read_ttgir("\n".join(header + clean)), block_n=64)
-        assert facts["kv_round_trips"] == []
+        assert facts["kv_round_trips"] == [] and facts["kv_buffers"] == 2
+        # A part of the tile loaded in the loop straight into registers has one stage, whatever
+        # the other parts have; stored into the multi-buffer it is pipelined.
+        load = "      %k = tt.load %p : tensor<64x64x!tt.ptr<bf16>, #b>"
+        facts = ks._kv_facts(ks.read_ttgir("\n".join(header + clean[:1] + [load] + clean[1:])), 64)
+        assert facts["kv_buffers"] == 1 and facts["synchronous_kv_loads_in_loop"] == 1
+        store = (
+            "      ttg.local_store %k, %slot : tensor<64x64xbf16, #b> -> !ttg.memdesc<64x64xbf16>"
+        )
+        staged = header + clean[:1] + [load, store] + clean[1:]
+        assert ks._kv_facts(ks.read_ttgir("\n".join(staged)), 64)["kv_buffers"] == 2
 
 
 # ---- the static tool: compiling for real (slow, subprocesses without the interpreter) ------
