@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import io
 import math
 import multiprocessing
 import re
@@ -339,12 +340,18 @@ def compile_and_read(request: dict) -> dict:
 
     target = TARGETS[request["target"]]
     fn = getattr(sys.modules[request["module"]], request["kernel"])
+    from triton import knobs
+
+    # Triton prints its own ptxas run's log (registers, spills) with this knob: one ptxas run.
+    knobs.nvidia.dump_ptxas_log = True
+    log = io.StringIO()
     start = time.perf_counter()
-    kernel = triton.compile(
-        ASTSource(fn, request["signature"], request["constexprs"], request["attrs"]),
-        target=target.gpu_target(),
-        options=request["options"],
-    )
+    with contextlib.redirect_stdout(log):
+        kernel = triton.compile(
+            ASTSource(fn, request["signature"], request["constexprs"], request["attrs"]),
+            target=target.gpu_target(),
+            options=request["options"],
+        )
     compile_s = time.perf_counter() - start
     num_warps = request["options"]["num_warps"]
     info = {
@@ -356,47 +363,48 @@ def compile_and_read(request: dict) -> dict:
         "compile_s": round(compile_s, 2),
     }
     if target.backend == "cuda":
-        info.update(read_cuda(kernel.asm["ptx"], kernel.asm["cubin"]))
+        fp_fusion = request["options"]["enable_fp_fusion"]
+        info.update(read_cuda(kernel.asm["ptx"], kernel.asm["cubin"], log.getvalue(), fp_fusion))
     else:
         info.update(read_amdgcn(kernel.asm["amdgcn"]))
     info["ttgir"] = read_ttgir(kernel.asm["ttgir"])
     return info
 
 
-def read_cuda(ptx: str, cubin: bytes) -> dict:
+def read_cuda(ptx: str, cubin: bytes, ptxas_log: str, fp_fusion: bool) -> dict:
+    """Registers (the cubin's), spill bytes (ptxas's log of that build) and the SASS loop.
+
+    ``ptxas_log`` is what Triton's own ptxas run printed; on a Triton cache hit there was no
+    run, so ptxas runs again with the flags Triton passes (same registers, checked)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
     with tempfile.TemporaryDirectory() as tmp:
         ptx_path, cubin_path = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         ptx_path.write_text(ptx)
         cubin_path.write_bytes(cubin)
-        verbose = subprocess.run(
-            [
-                str(_triton_bin("ptxas-blackwell")),
-                "-v",
-                "--gpu-name=sm_90a",
-                str(ptx_path),
-                "-o",
-                str(Path(tmp) / "v.cubin"),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stderr
-        usage = subprocess.run(
-            [str(_triton_bin("cuobjdump")), "-res-usage", str(cubin_path)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        sass = subprocess.run(
-            [str(_triton_bin("cuobjdump")), "-sass", str(cubin_path)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", verbose)
+        if "bytes spill stores" not in ptxas_log:
+            command = [get_ptxas(90).path, "-lineinfo", "-v", "--regAllocOptLevel=2"]
+            command += [] if fp_fusion else ["--fmad=false"]
+            command += ["--gpu-name=sm_90a", str(ptx_path), "-o", str(Path(tmp) / "v.cubin")]
+            ptxas_log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+
+        def cuobjdump(flag: str) -> str:
+            command = [str(_triton_bin("cuobjdump")), flag, str(cubin_path)]
+            return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+        usage, sass = cuobjdump("-res-usage"), cuobjdump("-sass")
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
+    used = re.search(r"Used (\d+) registers", ptxas_log)
     regs = re.search(r"REG:(\d+)", usage)
-    if spills is None or regs is None:
-        raise RuntimeError(f"kernel_static: unreadable ptxas/cuobjdump output:\n{verbose}\n{usage}")
+    if spills is None or regs is None or used is None:
+        raise RuntimeError(
+            f"kernel_static: unreadable ptxas/cuobjdump output:\n{ptxas_log}\n{usage}"
+        )
+    if used.group(1) != regs.group(1):
+        raise RuntimeError(
+            f"kernel_static: ptxas's log says {used.group(1)} registers, the cubin "
+            f"{regs.group(1)}: the log is not of this build"
+        )
     return {
         "regs_per_thread": int(regs.group(1)),
         "spill_store_bytes": int(spills.group(1)),
@@ -888,13 +896,21 @@ def run(cases: tuple[Case, ...], targets: list[GpuTarget], workers: int = 2) -> 
                 plans.setdefault((case.name, target.key), []).append(plan)
     record_s = time.perf_counter() - start
     kernels: dict[str, dict] = {}
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        futures = [pool.submit(compile_and_read, request) for request in requests.values()]
-        for i, future in enumerate(concurrent.futures.as_completed(futures)):
-            info = future.result()
-            kernels[info["key"]] = info
-            common.progress(i, len(futures), info["key"])
+    # sm90 stage-1 builds take longest (ptxas): start them first so no worker idles at the end.
+    ordered = sorted(requests.values(), key=lambda r: (r["target"] != "sm90", r["kernel"]))
+    if workers == 1:
+        done = (compile_and_read(request) for request in ordered)
+    else:
+        # spawn, not fork: the parent holds torch and Triton state a fork would copy.
+        context = multiprocessing.get_context("spawn")
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+        futures = [pool.submit(compile_and_read, request) for request in ordered]
+        done = (future.result() for future in concurrent.futures.as_completed(futures))
+    for i, info in enumerate(done):
+        kernels[info["key"]] = info
+        common.progress(i, len(ordered), info["key"])
+    if workers > 1:
+        pool.shutdown()
     compile_s = time.perf_counter() - start - record_s
     results = []
     for case in cases:
