@@ -9,7 +9,7 @@ that target (an int 1 becomes a constexpr, ints and pointers divisible by 16 get
 hints, HIP buffer ops only for tensors whose storage is under 2 GiB), compiled once per distinct
 specialization with ``triton.compile`` (two processes), and read back:
 
-- sm90: ``cuobjdump -res-usage`` (registers of the built cubin), ``ptxas -v`` (spill bytes),
+- sm90: ``cuobjdump -res-usage`` (registers of the built cubin), Triton's ptxas log (spill bytes),
   the SASS of the main loop (the body of the backward branch that holds the most matrix
   instructions), the TTGIR (shared buffers, async copies, register round trips).
 - gfx942 / gfx950: the amdgcn text (``NumVgprs``, ``NumAgprs``, SGPRs, spill counts, the
@@ -30,6 +30,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import io
+import json
 import math
 import multiprocessing
 import re
@@ -134,7 +135,10 @@ class Case:
 
     @property
     def context(self) -> int:
-        return -(-CONTEXT // self.dcp)
+        """Keys of the longest rank-local cache (DCP rank 0 holds the most)."""
+        from rocm_mla.dcp.layout import local_seq_lens
+
+        return int(local_seq_lens(torch.tensor([CONTEXT]), self.dcp, 0)[0])
 
     @property
     def rows(self) -> int:
@@ -1001,6 +1005,11 @@ def markdown(payload: dict) -> str:
                 f"{info['regs_per_thread']}+{info['agprs_per_thread']} / "
                 f"{info['vgpr_spill_count']} (sgpr {info['sgpr_spill_count']})"
             )
+        merge_spills = r["gates"]["no_spills"]["evidence"]["spills_by_kernel"]
+        stage1_keys = {x["stage1"] for x in r["per_batch"]}
+        merge_spills = {k: v for k, v in merge_spills.items() if k not in stage1_keys and v}
+        if merge_spills:
+            regs += f" (merge spills {max(merge_spills.values())})"
         ops = ", ".join(f"{op} x{n}" for op, n in info["loop"].get("matrix", {}).items()) or "none"
         waves = "/".join(str(by_batch[x]["waves"]) for x in payload["batches"] if x in by_batch)
         verdicts = [
@@ -1056,9 +1065,10 @@ def plot(payload: dict, path: Path) -> None:
     ax1.set_title("gates (green pass, red fail, yellow n/a)")
     height = 0.8 / len(targets)
     for i, t in enumerate(targets):
-        ax2.barh([y + i * height for y in range(len(cases))], ceilings[t], height, label=t)
-    ax2.set_yticks([y + 0.4 - height / 2 for y in range(len(cases))], cases, fontsize=7)
-    ax2.invert_yaxis()
+        offset = (i - (len(targets) - 1) / 2) * height
+        ax2.barh([y + offset for y in range(len(cases))], ceilings[t], height, label=t)
+    ax2.set_yticks(range(len(cases)), cases, fontsize=7)
+    ax2.set_ylim(len(cases) - 0.5, -0.5)
     ax2.set_xlabel("tensor-issue ceiling, % of HBM peak (B 32)")
     ax2.set_xlim(0, 100)
     ax2.legend(fontsize=8)
@@ -1083,7 +1093,15 @@ def main(argv: list[str] | None = None) -> Path:
     )
     parser.add_argument("--workers", type=int, default=2, help="compile processes")
     parser.add_argument("--out", type=Path, help="results folder (default: benchmarks/results)")
+    parser.add_argument(
+        "--render", type=Path, help="only rewrite the .md and .png of this JSON (no compiling)"
+    )
     args = parser.parse_args(argv)
+    if args.render is not None:
+        payload = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(markdown(payload))
+        plot(payload, args.render.with_suffix(".png"))
+        return args.render
     names = [t for t in args.targets.split(",") if t]
     unknown = [t for t in names if t not in TARGETS]
     if unknown or not names:
