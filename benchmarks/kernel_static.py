@@ -281,13 +281,18 @@ def record_case(case: Case, target: GpuTarget, batch: int) -> dict:
 def specialize(launch: Launch, target: GpuTarget) -> dict:
     """The compile request the runtime would make for ``launch`` on ``target``: Triton's own
     binder and argument packing, with the target's backend."""
+    from triton import knobs
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
     fn = _jit_function(launch)
     backend = make_backend(target.gpu_target())
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    kwargs = dict(launch.kwargs, debug=False)
+    # The options JITFunction.run adds before binding.
+    kwargs = dict(launch.kwargs)
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(
         backend, kwargs, bound, specialization, options
