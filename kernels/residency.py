@@ -188,10 +188,11 @@ def resident_programs(
         target_key: "sm90", "gfx942" or "gfx950" (``RESIDENCY_TARGETS``).
         num_warps: warps (NVIDIA) or waves (AMD) per program, the launch's ``num_warps``.
         regs_per_thread: registers per thread as the compiler reports them: ptxas's "Used N
-            registers" on sm90; the arch VGPR count on AMD (``.vgpr_count`` of a kernel that
-            uses no AGPRs, else the arch part only, see ``agprs_per_thread``).
+            registers" on sm90; on AMD the arch VGPRs only (the amdgcn ``; NumVgprs:``
+            comment; ``.vgpr_count`` in the metadata already adds the AGPRs on gfx90a+).
         smem_bytes: shared memory / LDS per program (``kernel.metadata.shared``).
-        agprs_per_thread: AMD accumulation VGPRs (``.agpr_count``); 0 on sm90.
+        agprs_per_thread: AMD accumulation VGPRs (``; NumAgprs:``, ``.agpr_count``); 0 on
+            sm90.
         sgprs_per_wave: AMD SGPRs (``.sgpr_count``), or None to leave them out.
 
     Returns:
