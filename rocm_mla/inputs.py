@@ -37,12 +37,14 @@ KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
 FAULT_BLOCK_ID = 1
 #: A visible key lies beyond the block table's capacity (``max_blocks * block_size``):
 FAULT_BEYOND_TABLE = 2
-#: (torch backend, planned) a length above the plan's ``max_seqlen``, which it does not cover:
+#: (planned torch / AITER) lengths beyond the plan (``max_seqlen``, or AITER's ``total_seqlen``):
 FAULT_BEYOND_PLAN = 4
 _FAULT_TEXT = {
     FAULT_BLOCK_ID: "a block id a row may see is outside [0, num_blocks)",
     FAULT_BEYOND_TABLE: "a length exceeds the block table's capacity (max_blocks * block_size)",
-    FAULT_BEYOND_PLAN: "a length exceeds the plan's max_seqlen (re-plan the step)",
+    FAULT_BEYOND_PLAN: (
+        "the lengths exceed what the plan covers (its max_seqlen or total_seqlen; re-plan the step)"
+    ),
 }
 
 
