@@ -43,9 +43,16 @@ fi
 # A venv stamped before the server tests existed may lack the client.
 "$VLLM_CPU_VENV/bin/python" -c "import openai" 2>/dev/null ||
     "$VLLM_CPU_VENV/bin/python" -m pip install --quiet openai >&2
+# The wheel is built without build isolation, by the venv's setuptools: pyproject needs 77+
+# (its SPDX license string), and vLLM's own pin stops below 81.
+"$VLLM_CPU_VENV/bin/python" -c \
+    "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null ||
+    "$VLLM_CPU_VENV/bin/python" -m pip install --quiet "setuptools>=77,<81" >&2
+# setuptools stages the build in the checkout's build/ (git-ignored); a module deleted from
+# the tree would otherwise stay staged there and ship in the wheel.
+rm -rf "$REPO/build"
 wheels="$(mktemp -d)"
 trap 'rm -rf "$wheels"' EXIT
-# No build isolation: the venv's own setuptools builds it, so no index is needed here.
 "$VLLM_CPU_VENV/bin/python" -m pip wheel --quiet --no-deps --no-build-isolation \
     --wheel-dir "$wheels" "$REPO" >&2
 "$VLLM_CPU_VENV/bin/python" -m pip install --quiet --no-deps --force-reinstall \
