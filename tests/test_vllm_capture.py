@@ -316,3 +316,34 @@ def test_writer_matches_vllms_op_on_gpu():
             kv_c, k_pe.squeeze(1), theirs, slots, kv_cache_dtype=kv_cache_dtype, scale=scale
         )
         assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), kv_cache_dtype
+
+
+def test_builder_logs_each_decode_shape_once(monkeypatch):
+    """The first plan of a (backend, heads, q_len, kv dtype) logs what decodes; later steps
+    of that shape log nothing (the hot path stays a set lookup)."""
+    import logging
+
+    from rocm_mla.integrations.vllm import backend
+
+    monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
+    monkeypatch.setattr(backend, "_ANNOUNCED", set())
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    level = backend.logger.level
+    backend.logger.addHandler(handler)
+    backend.logger.setLevel(logging.INFO)
+    try:
+        block_table = torch.zeros(2, 4, dtype=torch.int32)
+        seq_lens = torch.tensor([5, 40], dtype=torch.int32)
+        builder = _bare_builder(num_heads=12)
+        for _ in range(3):
+            _build(builder, block_table, seq_lens, 40, num_decode_tokens=2)
+        _build(builder, block_table, seq_lens, 40, num_decode_tokens=8)
+    finally:
+        backend.logger.removeHandler(handler)
+        backend.logger.setLevel(level)
+    assert [r.getMessage() for r in records] == [
+        "rocm-mla: decode with torch (cpu) for 12 heads, q_len 1, kv float32",
+        "rocm-mla: decode with torch (cpu) for 12 heads, q_len 4, kv float32",
+    ]

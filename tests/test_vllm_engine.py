@@ -44,7 +44,7 @@ RUN_TIMEOUT_S = 600
 LOGPROB_ATOL = 1e-4
 
 
-def _engine_unavailable_reason() -> str | None:
+def engine_unavailable_reason() -> str | None:
     try:
         from vllm.platforms import current_platform
     except ImportError as exc:
@@ -101,6 +101,16 @@ def write_tiny_deepseek_v2(path: Path) -> Path:
 # ---- one engine run (this file as a script, in a fresh process) ----------------------------
 
 
+def _spec_prompts() -> list[list[int]]:
+    """Prompts that repeat a pattern, so vLLM's n-gram speculator finds a match followed by
+    at least 7 tokens and drafts full windows from the first decode step on."""
+    import torch
+
+    gen = torch.Generator().manual_seed(99)
+    patterns = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (8, 12)]
+    return [patterns[0] * 4, patterns[1] * 3, patterns[0][:5] * 2 + patterns[1] * 2]
+
+
 def _generate(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     from vllm import SamplingParams
 
@@ -122,6 +132,14 @@ def _generate(llm, prompts: list[list[int]], max_tokens: int) -> dict:
 def _run_engine(args: argparse.Namespace) -> None:
     from vllm import LLM
 
+    extra = {}
+    if args.speculative:
+        extra["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": args.speculative,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 4,
+        }
     llm = LLM(
         model=args.model,
         skip_tokenizer_init=True,
@@ -134,6 +152,10 @@ def _run_engine(args: argparse.Namespace) -> None:
         # vLLM-CPU's rotary op (in place) is wrong for 3-D query/key with more than one
         # token; its native torch rotary is not.
         compilation_config={"custom_ops": ["-rotary_embedding"]},
+        # On AMX hosts vLLM-CPU picks AMX_MLA, which needs bf16/fp16 weights; CPU_MLA is the
+        # fp32 reference, and under the drop-in its name resolves to rocm_mla's backend.
+        attention_backend="CPU_MLA",
+        **extra,
     )
     prompts = _prompts()
     result = {"pid": os.getpid()}
@@ -141,6 +163,8 @@ def _run_engine(args: argparse.Namespace) -> None:
         result["batched"] = _generate(llm, prompts, NEW_TOKENS)
     if args.short:
         result["short"] = _generate(llm, prompts[:1], args.short_tokens)
+    if args.spec_prompts:
+        result["spec"] = _generate(llm, _spec_prompts(), NEW_TOKENS)
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -152,6 +176,8 @@ def _main() -> None:
     parser.add_argument("--batched", action="store_true")
     parser.add_argument("--short", action="store_true")
     parser.add_argument("--short-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--spec-prompts", action="store_true")
+    parser.add_argument("--speculative", type=int, default=0, help="n-gram draft tokens k")
     _run_engine(parser.parse_args())
 
 
@@ -160,7 +186,7 @@ def _main() -> None:
 
 @pytest.fixture(scope="module")
 def engine_model(tmp_path_factory) -> Path:
-    reason = _engine_unavailable_reason()
+    reason = engine_unavailable_reason()
     if reason is not None:
         if os.environ.get("ROCM_MLA_REQUIRE_VLLM_ENGINE") == "1":
             pytest.fail(f"ROCM_MLA_REQUIRE_VLLM_ENGINE=1 but {reason}")
@@ -171,24 +197,34 @@ def engine_model(tmp_path_factory) -> Path:
 class EngineRun:
     """One finished engine process: its generations and the calls our impl logged."""
 
-    def __init__(self, result: dict, calls: list[tuple[int, str, str, int]]) -> None:
+    def __init__(self, result: dict, calls: list[tuple[int, str, str, int, int | None]]) -> None:
         self.result = result
         self.calls = calls
 
     def decode_calls(self, backend: str) -> dict[int, int]:
         """pid -> forward_mqa calls made with rocm_mla backend ``backend``."""
         counts: dict[int, int] = {}
-        for pid, event, what, _ in self.calls:
+        for pid, event, what, *_ in self.calls:
             if event == "forward_mqa" and what == backend:
                 counts[pid] = counts.get(pid, 0) + 1
         return counts
 
 
 def _engine(
-    tmp_path: Path, model: Path, name: str, *, backend: str | None, flags: list[str], env=None
+    tmp_path: Path,
+    model: Path,
+    name: str,
+    *,
+    backend: str | None,
+    flags: list[str],
+    env=None,
+    unset: tuple[str, ...] = (),
+    expect_failure: bool = False,
 ) -> EngineRun:
     """Run one engine in a fresh process. ``backend=None`` leaves ROCM_MLA_BACKEND unset, so
-    vLLM's own CPU_MLA decodes (the plugin then registers only CUSTOM)."""
+    vLLM's own CPU_MLA decodes (the plugin then registers only CUSTOM); ``unset`` names
+    variables removed from the child's environment. ``expect_failure``: the run must exit
+    non-zero; its output is then ``result["output"]``."""
     run_dir = tmp_path / name
     log_dir = run_dir / "calls"
     log_dir.mkdir(parents=True)
@@ -201,10 +237,13 @@ def _engine(
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "PYTHONPATH": str(REPO),
         **(env or {}),
     }
-    child_env.pop("ROCM_MLA_BACKEND", None)
+    # The engine imports the installed package (scripts/vllm_cpu_env.sh: a wheel), never
+    # the checkout: the entry point and the packaged rocm_mla.kernels are what is tested.
+    child_env.pop("PYTHONPATH", None)
+    for var in ("ROCM_MLA_BACKEND", *unset):
+        child_env.pop(var, None)
     if backend is not None:
         child_env["ROCM_MLA_BACKEND"] = backend
     command = [sys.executable, __file__, "--model", str(model), "--out", str(out), *flags]
@@ -219,18 +258,28 @@ def _engine(
         )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"engine run {name!r} did not finish within {RUN_TIMEOUT_S} s: {exc}")
+    calls = _read_calls(log_dir)
+    if expect_failure:
+        if proc.returncode == 0:
+            pytest.fail(f"engine run {name!r} started and finished, expected a refusal")
+        return EngineRun({"output": proc.stdout + proc.stderr}, calls)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(
             f"engine run {name!r} exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n"
             f"{proc.stderr[-8000:]}"
         )
+    return EngineRun(json.loads(out.read_text()), calls)
+
+
+def _read_calls(log_dir: Path) -> list[tuple[int, str, str, int, int | None]]:
+    """(pid, event, what, rows or tokens, q_len of a forward_mqa else None) per logged call."""
     calls = []
     for path in sorted(log_dir.glob("*.log")):
         pid = int(path.stem)
         for line in path.read_text().splitlines():
-            event, what, count = line.split()
-            calls.append((pid, event, what, int(count)))
-    return EngineRun(json.loads(out.read_text()), calls)
+            event, what, count, *q_len = line.split()
+            calls.append((pid, event, what, int(count), int(q_len[0]) if q_len else None))
+    return calls
 
 
 def _assert_same_generation(ours: dict, reference: dict, what: str) -> None:
@@ -253,11 +302,38 @@ def cpu_mla_reference(engine_model, tmp_path_factory) -> EngineRun:
         engine_model,
         "cpu_mla",
         backend=None,
-        flags=["--batched", "--short", "--short-tokens", str(TRITON_NEW_TOKENS)],
+        flags=["--batched", "--short", "--short-tokens", str(TRITON_NEW_TOKENS), "--spec-prompts"],
     )
     # vLLM's own backend ran: the impl logged nothing.
     assert run.calls == []
     return run
+
+
+def test_the_package_under_test_is_the_installed_wheel():
+    """make test-vllm installs a wheel into the vLLM-CPU venv (scripts/vllm_cpu_env.sh), and
+    runs pytest so that the checkout does not shadow it: this process and every engine
+    import that wheel, its entry point and its packaged rocm_mla.kernels."""
+    if os.environ.get("ROCM_MLA_REQUIRE_VLLM_ENGINE") != "1":
+        pytest.skip("only the vLLM-CPU run of make test-vllm installs a wheel")
+    from importlib import metadata
+
+    import rocm_mla
+    import rocm_mla.kernels
+
+    dist = metadata.distribution("rocm-mla")
+    direct_url = dist.read_text("direct_url.json")
+    editable = bool(direct_url) and json.loads(direct_url).get("dir_info", {}).get(
+        "editable", False
+    )
+    assert not editable, f"rocm-mla is an editable install: {direct_url}"
+    for module in (rocm_mla, rocm_mla.kernels):
+        assert REPO not in Path(module.__file__).resolve().parents, (
+            f"{module.__name__} comes from the checkout ({module.__file__}), not the wheel"
+        )
+    plugins = metadata.entry_points(group="vllm.general_plugins")
+    assert [ep.value for ep in plugins if ep.name == "rocm_mla"] == [
+        "rocm_mla.integrations.vllm.plugin:register"
+    ]
 
 
 def test_torch_backend_generates_like_cpu_mla(engine_model, cpu_mla_reference, tmp_path):
@@ -272,7 +348,7 @@ def test_torch_backend_generates_like_cpu_mla(engine_model, cpu_mla_reference, t
     # multiprocessing engine runs them in its engine-core process, not in the driver.
     assert sum(calls.values()) >= 2 * (NEW_TOKENS - 1)
     assert run.result["pid"] not in calls
-    assert any(event == "kv_write" and what == "torch" for _, event, what, _ in run.calls), (
+    assert any(event == "kv_write" and what == "torch" for _, event, what, *_ in run.calls), (
         "vLLM-CPU has no concat_and_cache_mla; our torch cache writer must have run"
     )
     _assert_same_generation(run.result["batched"], cpu_mla_reference.result["batched"], "torch")
@@ -309,6 +385,47 @@ def test_tensor_parallel_workers_run_our_impl(engine_model, tmp_path):
     assert run.result["pid"] not in calls, "decode ran in the driver, not in the TP workers"
     assert min(calls.values()) >= 2 * (NEW_TOKENS - 1)
     _assert_same_generation(run.result["batched"], reference.result["batched"], "torch, TP=2")
+
+
+def test_named_backend_that_cannot_run_stops_start_up(engine_model, tmp_path):
+    """ROCM_MLA_BACKEND=triton without the interpreter on a machine with no GPU Triton
+    target: vLLM-CPU never calls validate_configuration, so the impl, built while the model
+    loads, refuses; the engine never comes up and no request is served."""
+    run = _engine(
+        tmp_path,
+        engine_model,
+        "triton_refused",
+        backend="triton",
+        flags=["--short"],
+        unset=("TRITON_INTERPRET",),
+        expect_failure=True,
+    )
+    output = run.result["output"]
+    assert "ROCM_MLA_BACKEND=triton cannot run on this machine: no GPU Triton target" in output
+    assert "Backends that can: torch" in output
+    assert "Engine core initialization failed" in output, "refused after start-up"
+    assert run.calls == [], "a decode ran before the refusal"
+
+
+@pytest.mark.parametrize("draft_tokens", [3, 7])
+def test_speculative_verify_windows_generate_like_cpu_mla(
+    engine_model, cpu_mla_reference, tmp_path, draft_tokens
+):
+    """vLLM's n-gram speculator drafts k tokens; each verify window (S_q = k + 1 rows per
+    request) decodes through our impl, and greedy tokens equal CPU_MLA's without
+    speculation."""
+    run = _engine(
+        tmp_path,
+        engine_model,
+        f"torch_ngram{draft_tokens}",
+        backend="torch",
+        flags=["--spec-prompts", "--speculative", str(draft_tokens)],
+    )
+    q_lens = {q_len for _, event, _, _, q_len in run.calls if event == "forward_mqa"}
+    assert draft_tokens + 1 in q_lens, f"no verify window of {draft_tokens + 1}: {q_lens}"
+    _assert_same_generation(
+        run.result["spec"], cpu_mla_reference.result["spec"], f"ngram k={draft_tokens}"
+    )
 
 
 if __name__ == "__main__":

