@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rocm_mla.inputs import FAULT_BEYOND_TABLE, FAULT_BLOCK_ID
 from rocm_mla.kernels.merge_states import launch_merge
 from rocm_mla.kernels.target import TritonTarget, triton_target
 from rocm_mla.kernels.tuned_configs import LaunchConfig, TableEntry, lookup
@@ -60,6 +61,11 @@ SPLIT_OVERHEAD_TOKENS = 84.0
 MIN_TOKENS_PER_SPLIT = 256
 #: Upper bound on splits (stage 2 reads them all back per output row).
 MAX_SPLITS = 32
+
+_FAULT_BLOCK_ID = tl.constexpr(FAULT_BLOCK_ID)
+_FAULT_BEYOND_TABLE = tl.constexpr(FAULT_BEYOND_TABLE)
+#: Block-table columns stage 1 checks per step of its bad-id scan.
+_BLOCK_C = tl.constexpr(256)
 
 #: Per compute unit: (shared memory / LDS bytes, register file bytes, resident warps/waves).
 #: H100/H200: 228 KB shared, 64K 32-bit registers, 64 warps. MI300X: 64 KB LDS, 4 SIMDs x 512
@@ -215,10 +221,13 @@ def _mla_decode_stage1(
     seqlens_ptr,  # [B] int32
     out_ptr,  # [splits, B, S_q, H, Dv] (fp32 partials) or [B, S_q, H, Dv] (final, 1 split)
     lse_ptr,  # [splits, B, S_q, H] fp32 or [B, S_q, H]
+    fault_ptr,  # [1] int32, FAULT_* bits ORed in (read only with HAS_FAULT_FLAG)
     qk_scale,  # softmax scale x kv dequant scale x log2(e): scores in base 2
     out_scale,  # kv dequant scale / P_SCALE, applied to the output
     num_groups,
     num_splits,
+    num_blocks,
+    max_blocks,
     stride_q_b,
     stride_q_i,
     stride_q_h,
@@ -253,6 +262,7 @@ def _mla_decode_stage1(
     FP8_MAX: tl.constexpr,
     P_SCALE: tl.constexpr,
     NUM_XCDS: tl.constexpr,
+    HAS_FAULT_FLAG: tl.constexpr,
 ):
     num_programs = tl.num_programs(0)
     pid = _remap_for_xcds(tl.program_id(0), num_programs, NUM_XCDS)
@@ -267,18 +277,30 @@ def _mla_decode_stage1(
     # Index x stride products are int64: a cache view or a batch of q can pass 2^31 elements.
     qpos = (rows // NUM_HEADS).to(tl.int64)
     head = (rows % NUM_HEADS).to(tl.int64)
-    # Causal: query i of S_q sees keys [0, L - S_q + i].
+    # Causal: query i of S_q sees keys [0, L - S_q + i]. A length <= 0 sees nothing; testing
+    # it first keeps L - S_q + i from wrapping at L near -2^31.
     if CAUSAL:
-        visible = seqlen - (Q_LEN - 1) + (rows // NUM_HEADS)
+        visible = tl.where(seqlen > 0, seqlen - (Q_LEN - 1) + (rows // NUM_HEADS), 0)
     else:
         visible = tl.zeros([BLOCK_H], tl.int32) + seqlen
-    visible = tl.where(row_valid, visible, 0)
+    visible = tl.where(row_valid & (visible > 0), visible, 0)
 
+    # Planned calls do not check lengths or block ids on the host, so the kernel only reads
+    # keys that exist: key p lives in table column p // PAGE_SIZE, which must be below
+    # max_blocks, and its block id in [0, num_blocks). A row that may see a key past the
+    # table is poisoned up front; the walk stops at the table's end. int64 scalars: a
+    # length near 2^31 - 1 rounded up to whole tiles would wrap in int32.
+    capacity = max_blocks.to(tl.int64) * PAGE_SIZE
+    beyond_table = visible.to(tl.int64) > capacity
+    length = tl.minimum(tl.maximum(seqlen, 0).to(tl.int64), capacity)
     # Split s of this request covers keys [s * chunk, (s + 1) * chunk), chunk a multiple of
     # the tile; the slice stops at the furthest key any row of this group may see.
-    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
-    end = tl.minimum(start + chunk, tl.max(visible, axis=0))
+    end = tl.minimum(tl.minimum(start + chunk, tl.max(visible, axis=0).to(tl.int64)), capacity)
+    # The loop counts tiles, not keys: n0 + BLOCK_N would wrap past an end near 2^31 - 1.
+    num_tiles = tl.where(end > start, (end - start - 1) // BLOCK_N + 1, 0).to(tl.int32)
+    start = tl.minimum(start, end).to(tl.int32)
 
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
@@ -330,11 +352,21 @@ def _mla_decode_stage1(
     if DV_CHUNKS == 2:
         acc_hi = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     block_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
+    end = end.to(tl.int32)
 
-    for n0 in range(start, end, BLOCK_N):
+    for tile in range(0, num_tiles):
+        n0 = start + tile * BLOCK_N
         pos = n0 + tl.arange(0, BLOCK_N)
+        # pos < end <= capacity: every column read from the table is below max_blocks.
         in_range = pos < end
         block = tl.load(block_row + pos // PAGE_SIZE, mask=in_range, other=0)
+        # A bad id (as uint32 a negative one is above 2^31) is clamped to the last block for
+        # the address only, so every load stays inside kv_cache; the rows that may see such
+        # a key are poisoned after the loop whatever it read (first_bad). Cheaper than a
+        # second load mask: one unsigned min per key; back to int32 (the result is below
+        # num_blocks) so the offset math stays what it was.
+        block = tl.minimum(block.to(tl.uint32, bitcast=True), num_blocks - 1)
+        block = block.to(tl.int32, bitcast=True)
         token = (
             kv_ptr
             + block.to(tl.int64) * stride_kv_block
@@ -405,6 +437,27 @@ def _mla_decode_stage1(
             )
         running_max = new_max
 
+    # Which rows may see a key whose block id is bad: the first key of [start, end) in such a
+    # column, found once per page here (the ids are in cache by now) rather than once per
+    # key in the loop. Counted in steps, written to stay clear of int32 wrap near 2^31.
+    first_bad = tl.full([_BLOCK_C], 2**31 - 1, tl.int32)
+    col_start = start // PAGE_SIZE
+    col_end = tl.where(end > start, (end - 1) // PAGE_SIZE + 1, col_start)
+    for step in range(0, tl.cdiv(col_end - col_start, _BLOCK_C)):
+        cols = col_start + step * _BLOCK_C + tl.arange(0, _BLOCK_C)
+        ids = tl.load(block_row + cols, mask=cols < col_end, other=0)
+        bad = (cols < col_end) & (ids.to(tl.uint32, bitcast=True) >= num_blocks)
+        first_bad = tl.minimum(
+            first_bad, tl.where(bad, tl.maximum(cols * PAGE_SIZE, start), 2**31 - 1)
+        )
+    first_bad = tl.min(first_bad, axis=0)
+    unreadable = (first_bad < visible) | beyond_table
+    denom = denom + tl.where(unreadable, float("nan"), 0.0)
+    if HAS_FAULT_FLAG:
+        faults = tl.where(first_bad < 2**31 - 1, _FAULT_BLOCK_ID, 0)
+        beyond = tl.max(beyond_table.to(tl.int32), axis=0) > 0
+        faults = faults | tl.where(beyond, _FAULT_BEYOND_TABLE, 0)
+        tl.atomic_or(fault_ptr, faults, mask=faults != 0)
     # Only denom == 0 means "no visible key"; a poisoned (NaN) denom makes out and lse NaN.
     empty = denom == 0
     safe_denom = tl.where(empty, 1.0, denom)
@@ -569,8 +622,14 @@ def mla_decode(
     kv_scale: float | None = None,
     num_kv_splits: int | None = None,
     config: LaunchConfig | None = None,
+    fault_flag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV MLA decode over already validated inputs (``rocm_mla.inputs.prepare_decode``).
+    """Split-KV MLA decode over shape-checked inputs (``rocm_mla.inputs.prepare_decode``).
+
+    Lengths and block ids need not have been value-checked: nothing outside ``kv_cache``
+    and ``block_table`` is ever read, whatever they hold, and every query row that may see a
+    key whose table column is past ``max_blocks`` or whose block id is outside
+    ``[0, num_blocks)`` comes out NaN (out and lse).
 
     Args:
         q: ``[B, S_q, H, D]`` float32/float16/bfloat16.
@@ -586,13 +645,37 @@ def mla_decode(
             call makes no device-to-host transfer.
         config: stage-1 launch config (e.g. from ``plan_launch``); None takes the tuned
             table's entry for this target and shape (host-only).
+        fault_flag: int32 ``[1]`` on q's device, or None: the kernel ORs
+            ``rocm_mla.inputs.FAULT_BLOCK_ID`` / ``FAULT_BEYOND_TABLE`` into it on the device
+            (no sync) when a row may see such a key; it never clears it.
 
     Returns:
         ``(out [B, S_q, H, Dv] in q's dtype, lse [B, S_q, H] float32)``; rows with no visible
-        key get out 0 and lse -inf; rows that see a NaN/infinite score get out and lse NaN.
+        key get out 0 and lse -inf; rows that see a NaN/infinite score or a key that cannot
+        be read get out and lse NaN.
     """
     batch, q_len, num_heads, head_dim = q.shape
     rope_dim = head_dim - head_dim_v
+    if kv_cache.shape[0] < 1:
+        # The kernel redirects bad block ids to the last block: there must be one.
+        raise ValueError(
+            f"mla_decode: kv_cache must hold at least one block, got {tuple(kv_cache.shape)}"
+        )
+    if fault_flag is not None and (
+        not isinstance(fault_flag, torch.Tensor)
+        or fault_flag.dtype != torch.int32
+        or tuple(fault_flag.shape) != (1,)
+        or fault_flag.device != q.device
+    ):
+        got = (
+            f"{tuple(fault_flag.shape)} {fault_flag.dtype} on {fault_flag.device}"
+            if isinstance(fault_flag, torch.Tensor)
+            else type(fault_flag).__name__
+        )
+        raise ValueError(
+            f"mla_decode: fault_flag must be an int32 tensor of shape [1] on q's device "
+            f"({q.device}) or None, got {got}"
+        )
     # The kernel indexes q's last dim, a block-table row and the lengths with unit stride.
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
@@ -648,10 +731,14 @@ def mla_decode(
         cache_seqlens,
         part_out,
         part_lse,
+        # Without a flag any pointer will do: HAS_FAULT_FLAG=False compiles the atomic away.
+        lse if fault_flag is None else fault_flag,
         softmax_scale * dequant * math.log2(math.e),
         dequant / dot_types["P_SCALE"],
         num_groups,
         num_kv_splits,
+        kv_cache.shape[0],
+        block_table.shape[1],
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -678,6 +765,7 @@ def mla_decode(
         DV_CHUNKS=dv_chunks,
         BLOCK_DR=max(16, triton.next_power_of_2(rope_dim)),
         NUM_XCDS=config.num_xcds,
+        HAS_FAULT_FLAG=fault_flag is not None,
         **dot_types,
         **config.launch_options(target),
     )

@@ -143,4 +143,5 @@ class TritonMLAImpl(MLADecodeImpl):
             kv_scale=problem.kv_scale,
             num_kv_splits=num_kv_splits if self.num_kv_splits is None else self.num_kv_splits,
             config=config,
+            fault_flag=problem.fault_flag,
         )
