@@ -18,7 +18,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rocm-mla-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-vllm lint bench bench-dcp bench-gpu format clean
+.PHONY: demo test test-vllm lint bench bench-dcp bench-static bench-gpu format clean
 
 $(STAMP): pyproject.toml
 	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if (torch.version.hip or torch.version.cuda) else 1)" 2>/dev/null; then \
@@ -72,6 +72,11 @@ bench: $(STAMP)
 bench-dcp: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib
 	$(PY) -m benchmarks.dcp_scaling
+
+# No GPU: compile the planner's kernels for sm90/gfx942/gfx950 and check issue 20's gates.
+bench-static: $(STAMP)
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib
+	$(PY) -m benchmarks.kernel_static
 
 # One GPU: call overhead (kernel-only vs planned vs one-shot), graph replay vs eager, and the
 # engine vs transformers on the GPU (bf16, fp32, 16K prefill). Under 8 minutes.

@@ -250,6 +250,7 @@ BENCHMARKS = {
     "dcp": "benchmarks.dcp_scaling",
     "e2e": "benchmarks.e2e",
     "gpu": "benchmarks.gpu",
+    "static": "benchmarks.kernel_static",
 }
 
 

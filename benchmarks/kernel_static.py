@@ -1,0 +1,1104 @@
+"""The compile-level gate of the Triton MLA decode (issue 20): what the compiled code does on
+sm90, gfx942 and gfx950, measured without a GPU.
+
+For every case (a decode shape Kimi-K3 runs at, or H16 / H128) and batch (8, 32, 128 requests
+of a 32K context, page 64), the real host launcher ``mla_decode`` runs on ``meta`` tensors with
+a stand-in ``TritonTarget`` for each GPU and with every ``@triton.jit`` function of the kernel
+modules swapped for a recorder. Each recorded launch is specialized by Triton's own binder for
+that target (an int 1 becomes a constexpr, ints and pointers divisible by 16 get divisibility
+hints, HIP buffer ops only for tensors whose storage is under 2 GiB), compiled once per distinct
+specialization with ``triton.compile`` (two processes), and read back:
+
+- sm90: ``cuobjdump -res-usage`` (registers of the built cubin), ``ptxas -v`` (spill bytes),
+  the SASS of the main loop (the body of the backward branch that holds the most matrix
+  instructions), the TTGIR (shared buffers, async copies, register round trips).
+- gfx942 / gfx950: the amdgcn text (``NumVgprs``, ``NumAgprs``, SGPRs, spill counts, the
+  main loop's blocks by LLVM's loop comments) and the TTGIR.
+
+From those: resident programs per SM/CU (``rocm_mla.kernels.residency``), matrix MACs issued
+per KV tile against the useful ones, waves of the grid, KV tile loads per request, the
+tensor-issue ceiling as a share of HBM peak, and the gates of issue 20 per case and target.
+Output: JSON (every gate's verdict with its evidence), PNG and a markdown table under
+``benchmarks/results/``.
+
+    python -m benchmarks.kernel_static [--cases all|reduced] [--targets sm90,gfx942,gfx950]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import io
+import math
+import multiprocessing
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks import common
+
+#: Latent row width (576 = 512 V columns + 64 rope) and V width of Kimi-K3 / DeepSeek MLA.
+HEAD_DIM, HEAD_DIM_V = 576, 512
+CONTEXT, PAGE_SIZE = 32768, 64
+BATCHES = (8, 32, 128)
+
+#: Gate thresholds of issue 20, item 2.
+MAX_ISSUED_OVER_USEFUL = 1.15
+COMPUTE_BOUND_ROWS = 64  #: rows (H x S_q) per request from which issued/useful is gated
+MIN_WAVE_FILL = 0.9
+MIN_GATED_BATCH = 8
+MAX_TILE_LOADS_H128 = 2
+#: The module whose launches are stage 1 (the split-KV decode); any other is a merge.
+STAGE1_MODULE = "rocm_mla.kernels.mla_decode"
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """A compile target and the datasheet figures its ceilings are computed from."""
+
+    key: str  #: tuned-table / residency key
+    backend: str  #: "cuda" or "hip"
+    arch: str  #: TritonTarget arch: "sm90", "gfx942", "gfx950"
+    units: int  #: SMs / CUs
+    device: str
+    hbm_bytes_per_s: float
+    #: dense matrix peaks, FLOP/s, by operand kind ("16bit", "fp8")
+    matrix_flops: dict = field(hash=False, compare=False)
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+
+    def gpu_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        if self.backend == "cuda":
+            return GPUTarget("cuda", int(self.arch[2:]), 32)
+        return GPUTarget("hip", self.arch, 64)
+
+    def triton_target(self):
+        from rocm_mla.kernels.target import TritonTarget
+
+        return TritonTarget(self.backend, self.arch, self.units)
+
+
+#: Datasheet figures (dense, no sparsity): H200 SXM 989 TFLOP/s bf16, 1979 fp8, 4.8 TB/s;
+#: MI300X 1307 / 2615, 5.3 TB/s, fp8 in the e4m3fnuz flavour; MI355X 2517 / 5033, 8 TB/s,
+#: OCP fp8. Peaks, so the ceilings are upper bounds (mma.sync on Hopper reaches less).
+TARGETS = {
+    "sm90": GpuTarget(
+        "sm90", "cuda", "sm90", 132, "H200", 4.8e12, {"16bit": 989e12, "fp8": 1979e12}
+    ),
+    "gfx942": GpuTarget(
+        "gfx942",
+        "hip",
+        "gfx942",
+        304,
+        "MI300X",
+        5.3e12,
+        {"16bit": 1307e12, "fp8": 2615e12},
+        torch.float8_e4m3fnuz,
+    ),
+    "gfx950": GpuTarget(
+        "gfx950", "hip", "gfx950", 256, "MI355X", 8.0e12, {"16bit": 2517e12, "fp8": 5033e12}
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One decode shape: ``heads`` query heads per rank, a verify window of ``q_len``.
+
+    With ``dcp > 1`` the heads are DCP-gathered (``12 x dcp``) and the rank holds 1/dcp of
+    the context; ``dcp_mla_decode`` folds the window into the batch (``B x S_q`` requests of
+    one query, non-causal), so that is the kernel call made here.
+    """
+
+    name: str
+    heads: int
+    q_len: int
+    kv: str  #: "bf16" or "fp8"
+    dcp: int = 1
+
+    @property
+    def kernel_q_len(self) -> int:
+        return 1 if self.dcp > 1 else self.q_len
+
+    def kernel_batch(self, batch: int) -> int:
+        return batch * self.q_len if self.dcp > 1 else batch
+
+    @property
+    def context(self) -> int:
+        return -(-CONTEXT // self.dcp)
+
+    @property
+    def rows(self) -> int:
+        """Query rows (S_q x H) one kernel request holds."""
+        return self.kernel_q_len * self.heads
+
+
+def _cases() -> tuple[Case, ...]:
+    cases = []
+    for kv in ("bf16", "fp8"):
+        for heads, label in ((12, "TP8"), (24, "TP4"), (96, "TP1")):
+            for q_len in (1, 2, 4, 8):
+                cases.append(Case(f"K3 {label} H{heads} Sq{q_len} {kv}", heads, q_len, kv))
+        for dcp in (2, 4, 8):
+            for q_len in (1, 2, 4, 8):
+                cases.append(
+                    Case(f"K3 12xDCP{dcp} H{12 * dcp} Sq{q_len} {kv}", 12 * dcp, q_len, kv, dcp)
+                )
+        for heads in (16, 128):
+            cases.append(Case(f"H{heads} Sq1 {kv}", heads, 1, kv))
+        cases.append(Case(f"H128 Sq2 {kv}", 128, 2, kv))
+    return tuple(cases)
+
+
+CASES = _cases()
+#: A few cases for the slow test: both head regimes, a verify window, fp8.
+REDUCED_CASES = tuple(
+    c for c in CASES if c.name in ("H16 Sq1 bf16", "H128 Sq1 bf16", "K3 TP8 H12 Sq2 fp8")
+)
+
+
+# ---- recording the launches the host code makes ------------------------------------------
+
+
+@dataclass
+class Launch:
+    kernel: str  #: the @triton.jit function's name
+    module: str
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    def __init__(self, fn, launches: list[Launch]) -> None:
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            grid_ = grid(kwargs) if callable(grid) else tuple(grid)
+            self.launches.append(
+                Launch(self.fn.__name__, self.fn.__module__, grid_, args, dict(kwargs))
+            )
+
+        return launch
+
+
+def _kernel_modules() -> list:
+    import rocm_mla.kernels.mla_decode  # noqa: F401  (loads the kernel modules it uses)
+
+    return [m for name, m in list(sys.modules.items()) if name.startswith("rocm_mla.kernels.")]
+
+
+@contextlib.contextmanager
+def _recording(target) -> Iterator[list[Launch]]:
+    """Every ``@triton.jit`` function of the kernel modules records its launches instead of
+    running, and ``triton_target()`` answers ``target``; all restored on exit (the compiler
+    resolves the kernels' helpers through the same module globals)."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list[Launch] = []
+    saved = []
+    for module in _kernel_modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                saved.append((module, name, value))
+                setattr(module, name, _Recorder(value, launches))
+            elif name == "triton_target":
+                saved.append((module, name, value))
+                setattr(module, name, lambda: target)
+    try:
+        yield launches
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def _jit_function(launch: Launch):
+    return getattr(sys.modules[launch.module], launch.kernel)
+
+
+def record_case(case: Case, target: GpuTarget, batch: int) -> dict:
+    """Plan and "launch" one decode step of ``case`` at ``batch`` requests on ``target``."""
+    from rocm_mla.kernels import mla_decode as md
+
+    tt = target.triton_target()
+    requests = case.kernel_batch(batch)
+    kv_dtype = torch.bfloat16 if case.kv == "bf16" else target.fp8_dtype
+    pages = -(-case.context // PAGE_SIZE)
+    config, splits = md.plan_launch(
+        batch=requests,
+        q_len=case.kernel_q_len,
+        num_heads=case.heads,
+        kv_dtype=kv_dtype,
+        max_len=case.context,
+        total_len=requests * case.context,
+        target=tt,
+    )
+    meta = {"device": "meta"}
+    q = torch.empty(requests, case.kernel_q_len, case.heads, HEAD_DIM, dtype=torch.bfloat16, **meta)
+    kv_cache = torch.empty(requests * pages, PAGE_SIZE, HEAD_DIM, dtype=kv_dtype, **meta)
+    block_table = torch.empty(requests, pages, dtype=torch.int32, **meta)
+    seqlens = torch.empty(requests, dtype=torch.int32, **meta)
+    with _recording(tt) as launches:
+        md.mla_decode(
+            q,
+            kv_cache,
+            block_table,
+            seqlens,
+            head_dim_v=HEAD_DIM_V,
+            softmax_scale=HEAD_DIM**-0.5,
+            causal=case.dcp == 1,
+            kv_scale=None if case.kv == "bf16" else 1.0,
+            num_kv_splits=splits,
+            config=config,
+        )
+        planner_residency = md.programs_per_cu(config, tt, kv_dtype=kv_dtype)
+    return {
+        "batch": batch,
+        "requests": requests,
+        "config": config.to_dict(),
+        "splits": splits,
+        "num_groups": -(-case.rows // config.block_h),
+        "planner_programs_per_cu": planner_residency,
+        "kv_cache_bytes": kv_cache.untyped_storage().nbytes(),
+        "launches": launches,
+    }
+
+
+def specialize(launch: Launch, target: GpuTarget) -> dict:
+    """The compile request the runtime would make for ``launch`` on ``target``: Triton's own
+    binder and argument packing, with the target's backend."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = _jit_function(launch)
+    backend = make_backend(target.gpu_target())
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(launch.kwargs, debug=False)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
+    request = {
+        "kernel": launch.kernel,
+        "module": launch.module,
+        "target": target.key,
+        "signature": signature,
+        "constexprs": constexprs,
+        "attrs": attrs,
+        "options": options.__dict__,
+    }
+    request["key"] = _compile_key(request)
+    return request
+
+
+def _compile_key(request: dict) -> str:
+    import hashlib
+
+    text = repr(
+        (
+            request["kernel"],
+            request["target"],
+            sorted(request["signature"].items()),
+            sorted((k, repr(v)) for k, v in request["constexprs"].items()),
+            sorted((k, repr(v)) for k, v in request["attrs"].items()),
+            sorted((k, repr(v)) for k, v in request["options"].items()),
+        )
+    )
+    return (
+        f"{request['target']}-{request['kernel']}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    )
+
+
+# ---- compiling and reading the code -------------------------------------------------------
+
+
+def _triton_bin(name: str) -> Path:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise FileNotFoundError(f"kernel_static: {path} is missing from the Triton wheel")
+    return path
+
+
+def compile_and_read(request: dict) -> dict:
+    """Compile one request (in a worker process) and read resources and the main loop."""
+    import triton
+    from triton.compiler import ASTSource
+
+    import rocm_mla.kernels.mla_decode  # noqa: F401
+
+    target = TARGETS[request["target"]]
+    fn = getattr(sys.modules[request["module"]], request["kernel"])
+    from triton import knobs
+
+    # Triton prints its own ptxas run's log (registers, spills) with this knob: one ptxas run.
+    knobs.nvidia.dump_ptxas_log = True
+    log = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(log):
+        kernel = triton.compile(
+            ASTSource(fn, request["signature"], request["constexprs"], request["attrs"]),
+            target=target.gpu_target(),
+            options=request["options"],
+        )
+    compile_s = time.perf_counter() - start
+    num_warps = request["options"]["num_warps"]
+    info = {
+        "key": request["key"],
+        "kernel": request["kernel"],
+        "num_warps": num_warps,
+        "num_stages": request["options"]["num_stages"],
+        "shared_bytes": int(kernel.metadata.shared),
+        "compile_s": round(compile_s, 2),
+    }
+    if target.backend == "cuda":
+        fp_fusion = request["options"]["enable_fp_fusion"]
+        info.update(read_cuda(kernel.asm["ptx"], kernel.asm["cubin"], log.getvalue(), fp_fusion))
+    else:
+        info.update(read_amdgcn(kernel.asm["amdgcn"]))
+    info["ttgir"] = read_ttgir(kernel.asm["ttgir"])
+    return info
+
+
+def read_cuda(ptx: str, cubin: bytes, ptxas_log: str, fp_fusion: bool) -> dict:
+    """Registers (the cubin's), spill bytes (ptxas's log of that build) and the SASS loop.
+
+    ``ptxas_log`` is what Triton's own ptxas run printed; on a Triton cache hit there was no
+    run, so ptxas runs again with the flags Triton passes (same registers, checked)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path, cubin_path = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx_path.write_text(ptx)
+        cubin_path.write_bytes(cubin)
+        if "bytes spill stores" not in ptxas_log:
+            command = [get_ptxas(90).path, "-lineinfo", "-v", "--regAllocOptLevel=2"]
+            command += [] if fp_fusion else ["--fmad=false"]
+            command += ["--gpu-name=sm_90a", str(ptx_path), "-o", str(Path(tmp) / "v.cubin")]
+            ptxas_log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+
+        def cuobjdump(flag: str) -> str:
+            command = [str(_triton_bin("cuobjdump")), flag, str(cubin_path)]
+            return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+        usage, sass = cuobjdump("-res-usage"), cuobjdump("-sass")
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
+    used = re.search(r"Used (\d+) registers", ptxas_log)
+    regs = re.search(r"REG:(\d+)", usage)
+    if spills is None or regs is None or used is None:
+        raise RuntimeError(
+            f"kernel_static: unreadable ptxas/cuobjdump output:\n{ptxas_log}\n{usage}"
+        )
+    if used.group(1) != regs.group(1):
+        raise RuntimeError(
+            f"kernel_static: ptxas's log says {used.group(1)} registers, the cubin "
+            f"{regs.group(1)}: the log is not of this build"
+        )
+    return {
+        "regs_per_thread": int(regs.group(1)),
+        "spill_store_bytes": int(spills.group(1)),
+        "spill_load_bytes": int(spills.group(2)),
+        "loop": read_sass_loop(sass),
+    }
+
+
+_SASS_LINE = re.compile(
+    r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);"
+)
+_SASS_MMA = re.compile(r"^(HGMMA|QGMMA|HMMA|QMMA)\.(\d+x\d+x\d+|\d+)\.(.*)$")
+#: SASS opcodes counted in the loop, by prefix.
+_SASS_COUNTED = ("LDGSTS", "UTMALDG", "LDG", "LDS", "LDSM", "STS", "STL", "LDL", "MUFU.EX2", "BAR")
+
+
+def _sass_matrix_shape(opcode: str) -> tuple[int, int, int, str] | None:
+    match = _SASS_MMA.match(opcode)
+    if match is None:
+        return None
+    family, shape, types = match.groups()
+    if "x" in shape:
+        m, n, k = (int(v) for v in shape.split("x"))
+    else:  # mma.sync: "16816" is m16 n8 k16, "16832" m16 n8 k32
+        m, n, k = int(shape[:2]), int(shape[2]), int(shape[3:])
+    kind = "fp8" if family.startswith("Q") or "E4M3" in types or "E5M2" in types else "16bit"
+    return m, n, k, kind
+
+
+def read_sass_loop(sass: str) -> dict:
+    """Counts in the body of the backward branch (a loop) that holds the most matrix ops."""
+    instructions = [
+        (int(m.group(1), 16), m.group(2), m.group(3)) for m in _SASS_LINE.finditer(sass)
+    ]
+    loops = []
+    for addr, opcode, operands in instructions:
+        target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
+        if target is not None and int(target.group(1), 16) < addr:
+            body = [op for a, op, _ in instructions if int(target.group(1), 16) <= a <= addr]
+            matrix = sum(_sass_matrix_shape(op) is not None for op in body)
+            loops.append((matrix, len(body), body))
+    if not loops:
+        return {"found": False}
+    _, _, body = max(loops)
+    matrix: dict[str, int] = {}
+    counts = dict.fromkeys(_SASS_COUNTED, 0)
+    for op in body:
+        if _sass_matrix_shape(op) is not None:
+            matrix[op] = matrix.get(op, 0) + 1
+        for prefix in _SASS_COUNTED:
+            if op == prefix or op.startswith(prefix + "."):
+                counts[prefix] += 1
+    return {"found": True, "instructions": len(body), "matrix": matrix, "counts": counts}
+
+
+_AMD_MFMA = re.compile(r"^v_mfma_(?:scale_)?[a-z0-9]+?_(\d+)x(\d+)x(\d+)_?([a-z0-9_]*)$")
+#: amdgcn mnemonics counted in the loop, by prefix.
+_AMD_COUNTED = (
+    "buffer_load",
+    "global_load",
+    "ds_read",
+    "ds_write",
+    "ds_load",
+    "ds_store",
+    "s_waitcnt",
+    "s_barrier",
+    "scratch_",
+    "buffer_store",
+    "v_accvgpr_read",
+    "v_accvgpr_write",
+    "v_exp_f32",
+)
+
+
+def _amd_matrix_shape(mnemonic: str) -> tuple[int, int, int, str] | None:
+    match = _AMD_MFMA.match(mnemonic)
+    if match is None:
+        return None
+    m, n, k = (int(v) for v in match.groups()[:3])
+    kind = "fp8" if re.search(r"fp8|bf8|f8", match.group(4)) else "16bit"
+    return m, n, k, kind
+
+
+def read_amdgcn(text: str) -> dict:
+    def number(pattern: str) -> int:
+        match = re.search(pattern, text)
+        if match is None:
+            raise RuntimeError(f"kernel_static: {pattern!r} not in the amdgcn text")
+        return int(match.group(1))
+
+    return {
+        "regs_per_thread": number(r"; NumVgprs: (\d+)"),
+        "agprs_per_thread": number(r"; NumAgprs: (\d+)"),
+        "sgprs_per_wave": number(r"\.sgpr_count:\s+(\d+)"),
+        "vgpr_spill_count": number(r"\.vgpr_spill_count:\s+(\d+)"),
+        "sgpr_spill_count": number(r"\.sgpr_spill_count:\s+(\d+)"),
+        "scratch_bytes": number(r"; ScratchSize: (\d+)"),
+        "loop": read_amdgcn_loop(text),
+    }
+
+
+def read_amdgcn_loop(text: str) -> dict:
+    """Counts in the blocks of the loop (LLVM's ``Loop Header`` / ``in Loop: Header=`` block
+    comments) that holds the most MFMAs."""
+    blocks: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        header = re.match(r"^\.LBB(\d+_\d+):.*Loop Header: Depth=1", line)
+        member = re.search(r"in Loop: Header=BB(\d+_\d+) Depth=\d+", line)
+        if re.match(r"^(\.LBB\d+_\d+:|; %bb\.\d+:)", line):
+            current = header.group(1) if header else member.group(1) if member else None
+            continue
+        if re.match(r"^\s*(\.|;|$)", line) or re.match(r"^[A-Za-z_.]\S*:", line):
+            if re.match(r"^[A-Za-z_]\S*:", line):
+                current = None
+            continue
+        if current is not None:
+            blocks.setdefault(current, []).append(line.split()[0])
+    if not blocks:
+        return {"found": False}
+    body = max(
+        blocks.values(), key=lambda ops: sum(_amd_matrix_shape(op) is not None for op in ops)
+    )
+    matrix: dict[str, int] = {}
+    counts = dict.fromkeys(_AMD_COUNTED, 0)
+    for op in body:
+        if _amd_matrix_shape(op) is not None:
+            matrix[op] = matrix.get(op, 0) + 1
+        for prefix in _AMD_COUNTED:
+            if op.startswith(prefix):
+                counts[prefix] += 1
+    direct_to_lds = len(re.findall(r"^\s*(?:buffer|global)_load\S*.*\blds\b", "\n".join(body)))
+    return {
+        "found": True,
+        "instructions": len(body),
+        "matrix": matrix,
+        "counts": counts,
+        "direct_to_lds_loads": direct_to_lds,
+    }
+
+
+_TENSOR = re.compile(r"tensor<([0-9x]+)x[A-Za-z0-9!.<>]+?[,>]")
+_MEMDESC_ALLOC = re.compile(r"= ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<([0-9x]+)x")
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split("x"))
+
+
+def read_ttgir(text: str) -> dict:
+    """Shared buffers, async copies and register round trips of the KV loop in TTGIR.
+
+    Returns the raw facts; ``_kv_facts`` interprets them with the tile shape."""
+    lines = text.splitlines()
+    loops, depth, stack = [], 0, []
+    for i, line in enumerate(lines):
+        code = re.sub(r'"[^"]*"', "", line)
+        if "scf.for" in code and code.rstrip().endswith("{"):
+            stack.append((i, depth))
+        depth += code.count("{") - code.count("}")
+        while stack and depth <= stack[-1][1]:
+            start, _ = stack.pop()
+            loops.append((start, i))
+    dots = ("tt.dot ", "ttng.warp_group_dot ", "tt.dot_scaled ")
+    main = max(
+        loops,
+        key=lambda span: sum(any(d in lines[j] for d in dots) for j in range(*span)),
+        default=None,
+    )
+    allocs = [_dims(m.group(1)) for m in _MEMDESC_ALLOC.finditer(text)]
+    facts: dict = {"multi_buffer_allocs": [list(a) for a in allocs], "loop_found": main is not None}
+    if main is None:
+        return facts
+    body = lines[main[0] : main[1] + 1]
+    ops = []
+    for line in body:
+        match = re.match(r"\s*(%[\w#:]+)(?:, %[\w#]+)* = ([\w.]+)(.*)", line)
+        if match:
+            result, op, rest = match.groups()
+            operands = re.findall(r"%[\w#]+", rest.split(" : ")[0])
+            ops.append((result.split(":")[0], op, operands, rest))
+        else:
+            match = re.match(r"\s*([\w.]+) (.*)", line)
+            if match:
+                operands = re.findall(r"%[\w#]+", match.group(2).split(" : ")[0])
+                ops.append((None, match.group(1), operands, match.group(2)))
+    facts["loop_ops"] = ops
+    return facts
+
+
+def _kv_facts(ttgir: dict, block_n: int) -> dict:
+    """What the KV loop does with tiles that have ``block_n`` keys: buffers, async copies, round
+    trips (a tile read from shared memory into registers that goes back to shared memory)."""
+    kv_allocs = [a for a in ttgir["multi_buffer_allocs"] if len(a) == 3 and block_n in a[1:]]
+    ops = ttgir.get("loop_ops", [])
+
+    def shape(types: str) -> tuple[int, ...] | None:
+        match = _TENSOR.search(types)
+        return _dims(match.group(1)) if match else None
+
+    def kv_shaped(types: str) -> bool:
+        dims = shape(types.split("->")[-1])
+        return dims is not None and len(dims) == 2 and block_n in dims
+
+    in_loop_allocs = [
+        op for op in ops if op[1] == "ttg.local_alloc" and op[2] and kv_shaped(op[3].split("->")[0])
+    ]
+    # Stages per KV part: a multi-buffered alloc outside the loop holds N; a tile loaded in
+    # the loop that is not stored into such an alloc (kept in registers or stored into a
+    # one-tile alloc) has 1. The tile's stages are its worst part's.
+    stored = {o for op in ops if op[1] == "ttg.local_store" for o in op[2][:1]}
+    synchronous = [
+        op[0]
+        for op in ops
+        if op[1] in ("tt.load", "amdg.buffer_load") and kv_shaped(op[3]) and op[0] not in stored
+    ]
+    parts = [a[0] for a in kv_allocs] + [1] * len(synchronous)
+    buffers = min(parts) if parts else 1 if in_loop_allocs else 0
+    async_ops = [
+        op[1]
+        for op in ops
+        if op[1]
+        in (
+            "ttg.async_copy_global_to_local",
+            "ttng.async_tma_copy_global_to_local",
+            "amdg.buffer_load_to_local",
+        )
+    ]
+    waits = [re.search(r"num = (\d+)", op[3]) for op in ops if op[1] == "ttg.async_wait"]
+    from_smem: set[str] = set()
+    round_trips = []
+    dot_ops = ("tt.dot", "ttng.warp_group_dot", "tt.dot_scaled")
+    for result, op, operands, types in ops:
+        fed = any(o in from_smem for o in operands)
+        if op == "ttg.local_load" and kv_shaped(types):
+            from_smem.add(result)
+        elif fed and op in ("ttg.local_alloc", "ttg.local_store"):
+            round_trips.append(op)
+        elif fed and result is not None and op not in dot_ops and kv_shaped(types):
+            from_smem.add(result)
+    guard = any(
+        op in ("math.absf", "arith.cmpf") and any(o in from_smem for o in operands)
+        for _, op, operands, _ in ops
+    )
+    return {
+        "kv_buffers": buffers,
+        "kv_allocs": kv_allocs,
+        "synchronous_kv_loads_in_loop": len(synchronous),
+        "async_copies_in_loop": len(async_ops),
+        "async_wait_nums": [int(w.group(1)) for w in waits if w],
+        "kv_round_trips": round_trips,
+        "guard_on_smem_tile": guard,
+    }
+
+
+# ---- the analysis of one case on one target -----------------------------------------------
+
+
+def _matrix_work(info: dict, target: GpuTarget) -> dict:
+    """MACs issued per KV tile by one program, and their kinds, from the loop's counts."""
+    shape_of = _sass_matrix_shape if target.backend == "cuda" else _amd_matrix_shape
+    macs, by_kind = 0, {"16bit": 0, "fp8": 0}
+    for op, count in info["loop"].get("matrix", {}).items():
+        m, n, k, kind = shape_of(op)
+        # wgmma is one instruction per warpgroup (4 warps); mma.sync / MFMA run per warp/wave.
+        issuers = info["num_warps"] / 4 if "GMMA" in op else info["num_warps"]
+        work = count * m * n * k * issuers
+        macs += work
+        by_kind[kind] += work
+    return {"issued_macs": macs, "issued_macs_by_kind": by_kind}
+
+
+def analyze(case: Case, target: GpuTarget, plans: list[dict], kernels: dict) -> dict:
+    """Per-batch figures and the gates for ``case`` on ``target``."""
+    from rocm_mla.kernels.residency import resident_programs
+
+    per_batch = []
+    for plan in plans:
+        config = plan["config"]
+        info = kernels[plan["stage1"]]
+        others = [kernels[k] for k in plan["keys"] if k != plan["stage1"]]
+        resident = resident_programs(
+            target.key,
+            num_warps=info["num_warps"],
+            regs_per_thread=info["regs_per_thread"],
+            smem_bytes=info["shared_bytes"],
+            **(
+                {
+                    "agprs_per_thread": info["agprs_per_thread"],
+                    "sgprs_per_wave": info["sgprs_per_wave"],
+                }
+                if target.backend == "hip"
+                else {}
+            ),
+        )
+        programs = math.prod(plan["grid"])
+        waves = programs / (max(resident, 1) * target.units)
+        work = _matrix_work(info, target)
+        useful_rows = case.rows / plan["num_groups"]
+        useful = useful_rows * config["block_n"] * (HEAD_DIM + HEAD_DIM_V)
+        replication = work["issued_macs"] / (
+            config["block_h"] * config["block_n"] * (HEAD_DIM + HEAD_DIM_V)
+        )
+        kv_bytes = 1 if case.kv == "fp8" else 2
+        tile_bytes = config["block_n"] * HEAD_DIM * kv_bytes
+        tensor_seconds = plan["num_groups"] * sum(
+            2 * macs / target.matrix_flops[kind]
+            for kind, macs in work["issued_macs_by_kind"].items()
+        )
+        ceiling = tile_bytes / tensor_seconds / target.hbm_bytes_per_s if tensor_seconds else None
+        per_batch.append(
+            {
+                "batch": plan["batch"],
+                "requests": plan["requests"],
+                "config": config,
+                "splits": plan["splits"],
+                "stage1": info["key"],
+                "other_kernels": [k["key"] for k in others],
+                "grid": plan["grid"],
+                "resident_per_unit": resident,
+                "planner_programs_per_cu": plan["planner_programs_per_cu"],
+                "waves": round(waves, 3),
+                "wave_fill": round(waves / math.ceil(waves), 3) if waves else 0.0,
+                "kv_tile_loads_per_request": plan["num_groups"],
+                "kv_cache_bytes": plan["kv_cache_bytes"],
+                "issued_macs_per_tile": work["issued_macs"],
+                "useful_macs_per_tile": useful,
+                "issued_over_useful": round(work["issued_macs"] / useful, 3) if useful else None,
+                "replication": round(replication, 3),
+                "row_padding": round(plan["num_groups"] * config["block_h"] / case.rows, 3),
+                "tensor_issue_ceiling_pct_hbm": round(100 * min(ceiling, 1.0), 1)
+                if ceiling
+                else None,
+                "kv": _kv_facts(info["ttgir"], config["block_n"]),
+            }
+        )
+    return {"per_batch": per_batch, "gates": gates(case, target, per_batch, kernels)}
+
+
+def _gate(applies: bool, passed: bool, evidence: dict) -> dict:
+    return {"applies": applies, "pass": passed if applies else None, "evidence": evidence}
+
+
+def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -> dict:
+    """Issue 20's gates for one case on one target: verdict and evidence each."""
+    used = sorted(
+        {b["stage1"] for b in per_batch} | {k for b in per_batch for k in b["other_kernels"]}
+    )
+
+    def spills(info: dict) -> int:
+        if target.backend == "cuda":
+            return info["spill_store_bytes"] + info["spill_load_bytes"]
+        # SGPR spills go to VGPR lanes (v_writelane), not memory: reported, not gated.
+        return info["vgpr_spill_count"] + info["scratch_bytes"]
+
+    spill_evidence = {key: spills(kernels[key]) for key in used}
+    evidence = {"spills_by_kernel": spill_evidence}
+    if target.backend == "hip":
+        evidence["sgpr_spills_to_vgpr_lanes"] = {
+            key: kernels[key]["sgpr_spill_count"] for key in used
+        }
+    result = {"no_spills": _gate(True, not any(spill_evidence.values()), evidence)}
+    ratios = {b["batch"]: b["issued_over_useful"] for b in per_batch}
+    result["issued_over_useful"] = _gate(
+        case.rows >= COMPUTE_BOUND_ROWS,
+        all(r is not None and r <= MAX_ISSUED_OVER_USEFUL for r in ratios.values()),
+        {
+            "limit": MAX_ISSUED_OVER_USEFUL,
+            "rows_per_request": case.rows,
+            "by_batch": {
+                b["batch"]: {
+                    "issued_over_useful": b["issued_over_useful"],
+                    "replication": b["replication"],
+                    "row_padding": b["row_padding"],
+                }
+                for b in per_batch
+            },
+        },
+    )
+    kinds = {
+        key: sorted(kernels[key]["loop"].get("matrix", {}))
+        for key in {b["stage1"] for b in per_batch}
+    }
+    shape_of = _sass_matrix_shape if target.backend == "cuda" else _amd_matrix_shape
+    result["fp8_matrix_op"] = _gate(
+        case.kv == "fp8",
+        all(ops and all(shape_of(op)[3] == "fp8" for op in ops) for ops in kinds.values()),
+        {"loop_matrix_ops": kinds},
+    )
+    kv = {b["batch"]: b["kv"] for b in per_batch}
+    if target.backend == "cuda":
+        overlapped = all(
+            f["async_copies_in_loop"] > 0 and f["kv_buffers"] >= 2 for f in kv.values()
+        )
+        rule = "asynchronous copies into >= 2 KV buffers"
+    else:
+        overlapped = all(f["kv_buffers"] >= 2 for f in kv.values())
+        rule = ">= 2 KV stages in LDS (pipelined or direct-to-LDS)"
+    result["kv_loads_overlap"] = _gate(
+        True,
+        overlapped,
+        {
+            "rule": rule,
+            "by_batch": {
+                batch: {k: f[k] for k in ("kv_buffers", "async_copies_in_loop", "async_wait_nums")}
+                for batch, f in kv.items()
+            },
+        },
+    )
+    gated = [b for b in per_batch if b["batch"] >= MIN_GATED_BATCH]
+    result["whole_waves"] = _gate(
+        bool(gated),
+        all(b["wave_fill"] >= MIN_WAVE_FILL for b in gated),
+        {
+            "min_fill": MIN_WAVE_FILL,
+            "by_batch": {
+                b["batch"]: {k: b[k] for k in ("grid", "resident_per_unit", "waves", "wave_fill")}
+                for b in gated
+            },
+        },
+    )
+    result["planner_uses_compiled_residency"] = _gate(
+        True,
+        all(b["planner_programs_per_cu"] == b["resident_per_unit"] for b in per_batch),
+        {
+            "by_batch": {
+                b["batch"]: {
+                    "planner_programs_per_cu": b["planner_programs_per_cu"],
+                    "compiled_resident": b["resident_per_unit"],
+                }
+                for b in per_batch
+            }
+        },
+    )
+    # "At H128": the plain-decode H128 case (a verify window multiplies the rows).
+    result["kv_tile_loads_h128"] = _gate(
+        case.heads == 128 and case.rows == 128,
+        all(b["kv_tile_loads_per_request"] <= MAX_TILE_LOADS_H128 for b in per_batch),
+        {
+            "limit": MAX_TILE_LOADS_H128,
+            "by_batch": {b["batch"]: b["kv_tile_loads_per_request"] for b in per_batch},
+        },
+    )
+    result["no_kv_register_round_trip"] = _gate(
+        True,
+        not any(f["kv_round_trips"] for f in kv.values()),
+        {
+            "note": "a KV tile read from shared memory / LDS into registers (e.g. for the "
+            "non-finite guard) and written back for a dot",
+            "by_batch": {
+                batch: {
+                    "round_trips": f["kv_round_trips"],
+                    "guard_on_smem_tile": f["guard_on_smem_tile"],
+                }
+                for batch, f in kv.items()
+            },
+        },
+    )
+    return result
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+def run(cases: tuple[Case, ...], targets: list[GpuTarget], workers: int = 2) -> dict:
+    start = time.perf_counter()
+    plans: dict[tuple[str, str], list[dict]] = {}
+    requests: dict[str, dict] = {}
+    for target in targets:
+        for case in cases:
+            for batch in BATCHES:
+                plan = record_case(case, target, batch)
+                launches = plan.pop("launches")
+                keys = []
+                for launch in launches:
+                    request = specialize(launch, target)
+                    requests.setdefault(request["key"], request)
+                    keys.append(request["key"])
+                # Stage 1 is what the decode module itself launches; the merge lives elsewhere.
+                stage1 = [i for i, x in enumerate(launches) if x.module == STAGE1_MODULE]
+                if len(stage1) != 1:
+                    raise RuntimeError(
+                        f"kernel_static: {case.name} on {target.key} at B {batch} launched "
+                        f"{len(stage1)} kernels from {STAGE1_MODULE}, expected one: {launches}"
+                    )
+                plan["grid"] = list(launches[stage1[0]].grid)
+                plan["stage1"] = keys[stage1[0]]
+                plan["keys"] = keys
+                plans.setdefault((case.name, target.key), []).append(plan)
+    record_s = time.perf_counter() - start
+    kernels: dict[str, dict] = {}
+    # sm90 stage-1 builds take longest (ptxas): start them first so no worker idles at the end.
+    ordered = sorted(requests.values(), key=lambda r: (r["target"] != "sm90", r["kernel"]))
+    if workers == 1:
+        done = (compile_and_read(request) for request in ordered)
+    else:
+        # spawn, not fork: the parent holds torch and Triton state a fork would copy.
+        context = multiprocessing.get_context("spawn")
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+        futures = [pool.submit(compile_and_read, request) for request in ordered]
+        done = (future.result() for future in concurrent.futures.as_completed(futures))
+    for i, info in enumerate(done):
+        kernels[info["key"]] = info
+        common.progress(i, len(ordered), info["key"])
+    if workers > 1:
+        pool.shutdown()
+    compile_s = time.perf_counter() - start - record_s
+    results = []
+    for case in cases:
+        for target in targets:
+            entry = analyze(case, target, plans[(case.name, target.key)], kernels)
+            results.append(
+                {"case": asdict(case) | {"name": case.name}, "target": target.key, **entry}
+            )
+    for info in kernels.values():
+        info["ttgir"].pop("loop_ops", None)
+    failed = {
+        gate for r in results for gate, verdict in r["gates"].items() if verdict["pass"] is False
+    }
+    return {
+        "benchmark": "kernel-static",
+        "environment": common.environment(),
+        "targets": {t.key: asdict(t) | {"fp8_dtype": str(t.fp8_dtype)} for t in targets},
+        "context": CONTEXT,
+        "page_size": PAGE_SIZE,
+        "batches": list(BATCHES),
+        "thresholds": {
+            "max_issued_over_useful": MAX_ISSUED_OVER_USEFUL,
+            "compute_bound_rows": COMPUTE_BOUND_ROWS,
+            "min_wave_fill": MIN_WAVE_FILL,
+            "min_gated_batch": MIN_GATED_BATCH,
+            "max_tile_loads_h128": MAX_TILE_LOADS_H128,
+        },
+        "wall_s": {
+            "record_and_specialize": round(record_s, 1),
+            "compile_and_read": round(compile_s, 1),
+            "total": round(time.perf_counter() - start, 1),
+        },
+        "distinct_compiles": len(kernels),
+        "all_gates_pass": not failed,
+        "failed_gates": sorted(failed),
+        "results": results,
+        "kernels": kernels,
+    }
+
+
+def failures(payload: dict) -> list[str]:
+    """``case / target: gate`` for every failed gate."""
+    return [
+        f"{r['case']['name']} / {r['target']}: {gate}"
+        for r in payload["results"]
+        for gate, verdict in r["gates"].items()
+        if verdict["pass"] is False
+    ]
+
+
+def markdown(payload: dict) -> str:
+    gate_names = list(payload["results"][0]["gates"]) if payload["results"] else []
+    short = {
+        "no_spills": "spill",
+        "issued_over_useful": "iss/use",
+        "fp8_matrix_op": "fp8op",
+        "kv_loads_overlap": "overlap",
+        "whole_waves": "waves",
+        "planner_uses_compiled_residency": "plan-res",
+        "kv_tile_loads_h128": "loads",
+        "no_kv_register_round_trip": "rtrip",
+    }
+    lines = [
+        f"# Compile-level gate (issue 20), Triton {payload['environment']['triton']}, "
+        f"{payload['environment']['date']}",
+        "",
+        f"Context {payload['context']}, page {payload['page_size']}; figures at B 32 unless "
+        f"noted; waves at B {'/'.join(map(str, payload['batches']))}. Wall time "
+        f"{payload['wall_s']['total']} s, {payload['distinct_compiles']} distinct compiles. "
+        "Gates: P pass, F fail, - not applicable.",
+        "",
+        "| case | target | config (H x N, warps/stages, splits) | regs(+agprs) / spill | smem KB | "
+        "loop matrix ops | iss/use | KV bufs, async | res/unit | waves B8/32/128 | loads | "
+        "ceil % HBM | " + " | ".join(short.get(g, g) for g in gate_names) + " |",
+        "|" + "---|" * (12 + len(gate_names)),
+    ]
+    kernels = payload["kernels"]
+    for r in payload["results"]:
+        by_batch = {b["batch"]: b for b in r["per_batch"]}
+        b = by_batch.get(32, r["per_batch"][0])
+        info = kernels[b["stage1"]]
+        c = b["config"]
+        if "spill_store_bytes" in info:
+            spilled = f"{info['spill_store_bytes']},{info['spill_load_bytes']}"
+            regs = f"{info['regs_per_thread']} / {spilled}"
+        else:
+            regs = (
+                f"{info['regs_per_thread']}+{info['agprs_per_thread']} / "
+                f"{info['vgpr_spill_count']} (sgpr {info['sgpr_spill_count']})"
+            )
+        ops = ", ".join(f"{op} x{n}" for op, n in info["loop"].get("matrix", {}).items()) or "none"
+        waves = "/".join(str(by_batch[x]["waves"]) for x in payload["batches"] if x in by_batch)
+        verdicts = [
+            "-" if v["pass"] is None else "P" if v["pass"] else "**F**" for v in r["gates"].values()
+        ]
+        lines.append(
+            f"| {r['case']['name']} | {r['target']} | {c['block_h']}x{c['block_n']}, "
+            f"{c['num_warps']}/{c['num_stages']}, {b['splits']} | {regs} | "
+            f"{info['shared_bytes'] / 1024:.1f} | {ops} | {b['issued_over_useful']} | "
+            f"{b['kv']['kv_buffers']}, {b['kv']['async_copies_in_loop']} | "
+            f"{b['resident_per_unit']} | "
+            f"{waves} | {b['kv_tile_loads_per_request']} | {b['tensor_issue_ceiling_pct_hbm']} | "
+            + " | ".join(verdicts)
+            + " |"
+        )
+    lines += ["", f"All gates pass: {payload['all_gates_pass']}."]
+    if payload["failed_gates"]:
+        lines.append(f"Gates failed somewhere: {', '.join(payload['failed_gates'])}.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = payload["results"]
+    targets = list(payload["targets"])
+    gate_names = list(results[0]["gates"])
+    cases = list(dict.fromkeys(r["case"]["name"] for r in results))
+    grid = [[0.5] * (len(targets) * len(gate_names)) for _ in cases]
+    ceilings = {t: [0.0] * len(cases) for t in targets}
+    for r in results:
+        row, t = cases.index(r["case"]["name"]), targets.index(r["target"])
+        for g, verdict in enumerate(r["gates"].values()):
+            grid[row][t * len(gate_names) + g] = (
+                0.5 if verdict["pass"] is None else 1.0 if verdict["pass"] else 0.0
+            )
+        b = next((b for b in r["per_batch"] if b["batch"] == 32), r["per_batch"][0])
+        ceilings[r["target"]][row] = b["tensor_issue_ceiling_pct_hbm"] or 0.0
+    fig, (ax1, ax2) = plt.subplots(
+        1, 2, figsize=(18, 0.28 * len(cases) + 3), gridspec_kw={"width_ratios": [3, 2]}
+    )
+    ax1.imshow(grid, aspect="auto", cmap="RdYlGn", vmin=0, vmax=1)
+    ax1.set_yticks(range(len(cases)), cases, fontsize=7)
+    ax1.set_xticks(
+        range(len(targets) * len(gate_names)),
+        [f"{t}:{g}" for t in targets for g in gate_names],
+        rotation=90,
+        fontsize=6,
+    )
+    ax1.set_title("gates (green pass, red fail, yellow n/a)")
+    height = 0.8 / len(targets)
+    for i, t in enumerate(targets):
+        ax2.barh([y + i * height for y in range(len(cases))], ceilings[t], height, label=t)
+    ax2.set_yticks([y + 0.4 - height / 2 for y in range(len(cases))], cases, fontsize=7)
+    ax2.invert_yaxis()
+    ax2.set_xlabel("tensor-issue ceiling, % of HBM peak (B 32)")
+    ax2.set_xlim(0, 100)
+    ax2.legend(fontsize=8)
+    fig.suptitle(
+        f"Triton MLA decode, compile-level gate (Triton {payload['environment']['triton']}, "
+        f"ctx {payload['context']})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernel_static", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--cases", choices=("all", "reduced"), default="all")
+    parser.add_argument(
+        "--targets",
+        default=",".join(TARGETS),
+        help=f"comma-separated subset of {','.join(TARGETS)}",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="compile processes")
+    parser.add_argument("--out", type=Path, help="results folder (default: benchmarks/results)")
+    args = parser.parse_args(argv)
+    names = [t for t in args.targets.split(",") if t]
+    unknown = [t for t in names if t not in TARGETS]
+    if unknown or not names:
+        parser.error(f"--targets: expected a subset of {','.join(TARGETS)}, got {args.targets!r}")
+    if args.workers < 1:
+        parser.error(f"--workers: expected >= 1, got {args.workers}")
+    cases = CASES if args.cases == "all" else REDUCED_CASES
+    payload = run(cases, [TARGETS[t] for t in names], workers=args.workers)
+    path = common.write_results("kernel-static", payload, args.out)
+    path.with_suffix(".md").write_text(markdown(payload))
+    plot(payload, path.with_suffix(".png"))
+    print(markdown(payload))
+    print(f"wrote {path} (+ .md, .png) in {payload['wall_s']['total']} s")
+    return path
+
+
+if __name__ == "__main__":
+    main()

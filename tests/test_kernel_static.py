@@ -1,0 +1,324 @@
+"""The compile-level gate: residency arithmetic (hand-computed cases) and the static tool."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks import kernel_static as ks
+from rocm_mla.kernels.residency import RESIDENCY_TARGETS, resident_programs
+
+
+class TestResidencySm90:
+    def test_register_bound(self) -> None:
+        # 180 regs -> 184 per thread (units of 8) -> 5888 per warp; 8 warps take 47104 of
+        # 65536: one CTA. 92.5 KB smem alone would allow two.
+        assert resident_programs("sm90", num_warps=8, regs_per_thread=180, smem_bytes=94720) == 1
+        # 4 warps of 128 regs: 16384 per CTA -> 4 by registers; 4 KB smem -> 45 by smem;
+        # 64 warps -> 16: registers bind.
+        assert resident_programs("sm90", num_warps=4, regs_per_thread=128, smem_bytes=4096) == 4
+        # 170 regs -> 176 -> 5632 per warp, 22528 per 4-warp CTA: 2 (unrounded 21760: 3).
+        assert resident_programs("sm90", num_warps=4, regs_per_thread=170, smem_bytes=0) == 2
+
+    def test_smem_bound_counts_the_reserved_kilobyte(self) -> None:
+        # 113 KB + 1 KB reserved = 114 KB: two fit in 228 KB. One byte more rounds up to the
+        # next 128 B unit and only one fits.
+        assert resident_programs("sm90", num_warps=4, regs_per_thread=32, smem_bytes=113 << 10) == 2
+        assert (
+            resident_programs("sm90", num_warps=4, regs_per_thread=32, smem_bytes=(113 << 10) + 1)
+            == 1
+        )
+
+    def test_warp_and_block_caps(self) -> None:
+        # 1 warp of 8 regs, no smem: 64 warps allow 64 but blocks cap at 32.
+        assert resident_programs("sm90", num_warps=1, regs_per_thread=8, smem_bytes=0) == 32
+        # 16 warps of 32 regs: registers allow 4, warps allow 4.
+        assert resident_programs("sm90", num_warps=16, regs_per_thread=32, smem_bytes=0) == 4
+
+    def test_over_the_per_block_smem_limit_does_not_fit(self) -> None:
+        assert (
+            resident_programs("sm90", num_warps=8, regs_per_thread=128, smem_bytes=228 << 10) == 0
+        )
+
+
+class TestResidencyCdna:
+    def test_vgpr_bound(self) -> None:
+        # 232 VGPRs -> 232 (a multiple of 8): 512 // 232 = 2 waves per SIMD, 8 per CU; a
+        # 4-wave workgroup -> 2. 16 KB LDS would allow 4.
+        assert resident_programs("gfx942", num_warps=4, regs_per_thread=232, smem_bytes=16384) == 2
+        # 8 waves of 194 (-> 200): 2 per SIMD, 8 per CU -> 1 workgroup.
+        assert resident_programs("gfx942", num_warps=8, regs_per_thread=194, smem_bytes=16384) == 1
+        # 102 -> 104: 4 waves per SIMD, 16 per CU -> 4 workgroups of 4 (unrounded 102: 5).
+        assert resident_programs("gfx942", num_warps=4, regs_per_thread=102, smem_bytes=0) == 4
+
+    def test_agprs_follow_the_arch_vgprs_rounded_to_four(self) -> None:
+        # 129 arch -> 132, + 124 AGPRs = 256 -> 2 waves per SIMD -> 2 workgroups of 4 waves.
+        assert (
+            resident_programs(
+                "gfx942", num_warps=4, regs_per_thread=129, agprs_per_thread=124, smem_bytes=0
+            )
+            == 2
+        )
+        # 125 arch -> 128, + 129 AGPRs = 257 -> 264: one wave per SIMD (254 unrounded would
+        # have allowed two).
+        assert (
+            resident_programs(
+                "gfx942", num_warps=4, regs_per_thread=125, agprs_per_thread=129, smem_bytes=0
+            )
+            == 1
+        )
+
+    def test_wave_cap_and_sgprs(self) -> None:
+        # 32 VGPRs: 16 waves by registers, capped at 8 per SIMD -> 32 waves per CU -> 8
+        # workgroups of 4 waves; 101 SGPRs allow only 7 per SIMD -> 7.
+        assert resident_programs("gfx942", num_warps=4, regs_per_thread=32, smem_bytes=0) == 8
+        assert (
+            resident_programs(
+                "gfx942", num_warps=4, regs_per_thread=32, sgprs_per_wave=101, smem_bytes=0
+            )
+            == 7
+        )
+
+    def test_lds_granules_differ_between_gfx942_and_gfx950(self) -> None:
+        # 20000 B: gfx942 rounds to 20480 (40 x 512) -> 3 in 64 KB; gfx950 to 20480 (16 x
+        # 1280) -> 8 in 160 KB, and registers (64 VGPRs, 1-wave groups: 32) do not bind.
+        assert resident_programs("gfx942", num_warps=1, regs_per_thread=64, smem_bytes=20000) == 3
+        assert resident_programs("gfx950", num_warps=1, regs_per_thread=64, smem_bytes=20000) == 8
+        # 54000 B is 43 blocks of 1280 B on gfx950 (55040): 2 in 160 KB, where 512 B blocks
+        # (54272) would fit 3.
+        assert resident_programs("gfx950", num_warps=1, regs_per_thread=64, smem_bytes=54000) == 2
+        # 66 KB fits a gfx950 CU twice but not a gfx942 CU at all.
+        assert (
+            resident_programs("gfx942", num_warps=4, regs_per_thread=64, smem_bytes=66 << 10) == 0
+        )
+        assert (
+            resident_programs("gfx950", num_warps=4, regs_per_thread=64, smem_bytes=66 << 10) == 2
+        )
+
+
+class TestResidencyErrors:
+    def test_unknown_target(self) -> None:
+        with pytest.raises(ValueError, match="target_key must be one of"):
+            resident_programs("sm80", num_warps=4, regs_per_thread=32, smem_bytes=0)
+        assert RESIDENCY_TARGETS == ("sm90", "gfx942", "gfx950")
+
+    @pytest.mark.parametrize(
+        ("target", "kwargs", "message"),
+        [
+            ("sm90", {"regs_per_thread": 256}, "regs_per_thread must be in"),
+            ("sm90", {"num_warps": 0}, "num_warps must be in"),
+            ("sm90", {"smem_bytes": -1}, "smem_bytes must be >= 0"),
+            ("sm90", {"agprs_per_thread": 8}, "AMD counts"),
+            ("gfx942", {"regs_per_thread": 257}, "regs_per_thread must be in"),
+            ("gfx942", {"num_warps": 32}, "num_warps must be in"),
+            ("gfx950", {"agprs_per_thread": -4}, "agprs_per_thread must be in"),
+        ],
+    )
+    def test_bad_counts_name_the_argument(self, target: str, kwargs: dict, message: str) -> None:
+        args = {"num_warps": 4, "regs_per_thread": 64, "smem_bytes": 0} | kwargs
+        with pytest.raises(ValueError, match=message):
+            resident_programs(target, **args)
+
+    def test_non_int_is_a_type_error(self) -> None:
+        with pytest.raises(TypeError, match="num_warps must be an int"):
+            resident_programs("sm90", num_warps=4.0, regs_per_thread=64, smem_bytes=0)
+
+
+# ---- the static tool: parsers (fast) -------------------------------------------------------
+
+
+class TestReaders:
+    def test_matrix_instruction_shapes(self) -> None:
+        assert ks._sass_matrix_shape("HGMMA.64x32x16.F32.BF16") == (64, 32, 16, "16bit")
+        assert ks._sass_matrix_shape("QGMMA.64x32x32.F32.E4M3.E4M3") == (64, 32, 32, "fp8")
+        assert ks._sass_matrix_shape("HMMA.16816.F32.BF16") == (16, 8, 16, "16bit")
+        assert ks._sass_matrix_shape("IMAD.WIDE") is None
+        assert ks._amd_matrix_shape("v_mfma_f32_16x16x16_bf16") == (16, 16, 16, "16bit")
+        assert ks._amd_matrix_shape("v_mfma_f32_16x16x32_fp8_fp8") == (16, 16, 32, "fp8")
+        assert ks._amd_matrix_shape("v_mfma_f32_32x32x16_bf16") == (32, 32, 16, "16bit")
+        assert ks._amd_matrix_shape("v_add_f32") is None
+
+    def test_sass_loop_is_the_backward_branch_with_the_matrix_ops(self) -> None:
+        sass = "\n".join(
+            [
+                "/*0000*/  MOV R1, c[0x0][0x28] ;",
+                "/*0010*/  HMMA.16816.F32.BF16 R4, R8, R12, R4 ;",
+                "/*0020*/  LDGSTS.E.BYPASS.128 [R2], desc[UR4][R6.64] ;",
+                "/*0030*/  HMMA.16816.F32.BF16 R4, R8, R12, R4 ;",
+                "/*0040*/  STL [R1], R5 ;",
+                "/*0050*/  @P0 BRA 0x10 ;",
+                "/*0060*/  MUFU.EX2 R3, R3 ;",
+                "/*0070*/  @!P1 BRA 0x60 ;",
+                "/*0080*/  EXIT ;",
+            ]
+        )
+        loop = ks.read_sass_loop(sass)
+        assert loop["matrix"] == {"HMMA.16816.F32.BF16": 2}
+        assert loop["counts"]["LDGSTS"] == 1 and loop["counts"]["STL"] == 1
+        assert loop["counts"]["MUFU.EX2"] == 0 and loop["instructions"] == 5
+
+    def test_amdgcn_loop_blocks_follow_llvm_loop_comments(self) -> None:
+        text = "\n".join(
+            [
+                "_kernel:",
+                "\tv_mfma_f32_16x16x16_bf16 a[0:3], v[0:1], v[2:3], 0",
+                ".LBB0_2:                                ;   in Loop: Header=BB0_3 Depth=1",
+                "\tv_mfma_f32_16x16x16_bf16 v[4:7], v[0:1], v[2:3], v[4:7]",
+                "\tds_read_b128 v[8:11], v12",
+                ".LBB0_3:                                ; =>This Inner Loop Header: Depth=1",
+                "\tbuffer_load_dwordx4 v[0:3], v13, s[0:3], 0 offen",
+                "\tv_mfma_f32_16x16x16_bf16 v[4:7], v[0:1], v[2:3], v[4:7]",
+                "\ts_cbranch_scc1 .LBB0_2",
+                ".LBB0_4:",
+                "\ts_endpgm",
+            ]
+        )
+        loop = ks.read_amdgcn_loop(text)
+        assert loop["matrix"] == {"v_mfma_f32_16x16x16_bf16": 2}
+        assert loop["counts"]["buffer_load"] == 1 and loop["counts"]["ds_read"] == 1
+
+    def test_round_trip_is_a_shared_tile_written_back(self) -> None:
+        loop = [
+            "    %r = scf.for %n = %a to %b step %c iter_args(%x = %y) -> (i32) {",
+            "      %t = ttg.local_load %buf : !ttg.memdesc<64x512xbf16> -> tensor<64x512xbf16, #b>",
+            "      %f = math.absf %t : tensor<64x512xbf16, #b>",
+            "      %g = arith.select %m, %t, %z : tensor<64x512xi1, #b>, tensor<64x512xbf16, #b>",
+            "      %h = ttg.local_alloc %g : (tensor<64x512xbf16, #b>) -> !ttg.memdesc<64x512xbf16>"
+            " loc(#loc1)",
+            "      scf.yield %x : i32",
+            "    }",
+        ]
+        header = [
+            "  %buf0 = ttg.local_alloc : () -> !ttg.memdesc<2x64x512xbf16, #s, #smem, mutable>"
+        ]
+        facts = ks._kv_facts(ks.read_ttgir("\n".join(header + loop)), block_n=64)
+        assert facts["kv_buffers"] == 2
+        assert facts["kv_round_trips"] == ["ttg.local_alloc"] and facts["guard_on_smem_tile"]
+        clean = [line for line in loop if "local_alloc" not in line]
+        facts = ks._kv_facts(ks.read_ttgir("\n".join(header + clean)), block_n=64)
+        assert facts["kv_round_trips"] == [] and facts["kv_buffers"] == 2
+        # A part of the tile loaded in the loop straight into registers has one stage, whatever
+        # the other parts have; stored into the multi-buffer it is pipelined.
+        load = "      %k = tt.load %p : tensor<64x64x!tt.ptr<bf16>, #b>"
+        facts = ks._kv_facts(ks.read_ttgir("\n".join(header + clean[:1] + [load] + clean[1:])), 64)
+        assert facts["kv_buffers"] == 1 and facts["synchronous_kv_loads_in_loop"] == 1
+        store = (
+            "      ttg.local_store %k, %slot : tensor<64x64xbf16, #b> -> !ttg.memdesc<64x64xbf16>"
+        )
+        staged = header + clean[:1] + [load, store] + clean[1:]
+        assert ks._kv_facts(ks.read_ttgir("\n".join(staged)), 64)["kv_buffers"] == 2
+
+
+# ---- the static tool: compiling for real (slow, subprocesses without the interpreter) ------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compiler_env() -> dict:
+    # The tool compiles for GPUs; the test session's interpreter setting must not reach it.
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+@triton.jit
+def _probe_mla_loop(q_ptr, kv_ptr, out_ptr, num_keys, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A bare MLA loop (QK over 512 + 64 columns, PV over 512) whose waste is Triton's layout
+    choice for the block shape, not anything in kernels/: a [128, 512] fp32 accumulator in
+    4 warps must spill on sm90, and 16 rows over 4 waves replicate QK on gfx942."""
+    rows = tl.arange(0, BLOCK_H)
+    dv = tl.arange(0, 512)
+    dr = tl.arange(0, 64)
+    q_nope = tl.load(q_ptr + rows[:, None] * 576 + dv[None, :])
+    q_rope = tl.load(q_ptr + rows[:, None] * 576 + 512 + dr[None, :])
+    acc = tl.zeros([BLOCK_H, 512], tl.float32)
+    for n0 in range(0, num_keys, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        kv_nope = tl.load(kv_ptr + keys[:, None] * 576 + dv[None, :])
+        kv_rope = tl.load(kv_ptr + keys[:, None] * 576 + 512 + dr[None, :])
+        scores = tl.dot(q_nope, tl.trans(kv_nope))
+        scores = tl.dot(q_rope, tl.trans(kv_rope), scores)
+        p = tl.exp2(scores - tl.max(scores, axis=1)[:, None]).to(kv_nope.dtype)
+        acc = tl.dot(p, kv_nope, acc)
+    tl.store(out_ptr + rows[:, None] * 512 + dv[None, :], acc)
+
+
+def probe_gates() -> dict:
+    """Gates of the probe kernel: (sm90, 128 rows, 4 warps) and (gfx942, 16 rows, 4 waves)."""
+    results = {}
+    for target_key, heads, block_h, block_n in (("sm90", 128, 128, 64), ("gfx942", 64, 16, 16)):
+        target = ks.TARGETS[target_key]
+        q = torch.empty(block_h, 576, dtype=torch.bfloat16, device="meta")
+        kv = torch.empty(4096, 576, dtype=torch.bfloat16, device="meta")
+        out = torch.empty(block_h, 512, dtype=torch.float32, device="meta")
+        kwargs = {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 1}
+        launch = ks.Launch("_probe_mla_loop", __name__, (1,), (q, kv, out, 4096), kwargs)
+        info = ks.compile_and_read(ks.specialize(launch, target))
+        groups = heads // block_h
+        plan = {
+            "batch": 32,
+            "requests": 32,
+            "config": {"block_h": block_h, "block_n": block_n, "num_warps": 4, "num_stages": 1},
+            "splits": 1,
+            "num_groups": groups,
+            "planner_programs_per_cu": 1,
+            "kv_cache_bytes": 4096 * 576 * 2,
+            "grid": [32 * groups],
+            "stage1": info["key"],
+            "keys": [info["key"]],
+        }
+        case = ks.Case("probe", heads, 1, "bf16")
+        results[target_key] = ks.analyze(case, target, [plan], {info["key"]: info})["gates"]
+    return results
+
+
+def _run(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=_compiler_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_gates_fail_on_a_spilling_and_a_replicating_kernel() -> None:
+    code = (
+        "import json; from tests.test_kernel_static import probe_gates; "
+        "print(json.dumps(probe_gates()))"
+    )
+    gates = json.loads(_run(code).strip().splitlines()[-1])
+    assert gates["sm90"]["no_spills"]["pass"] is False, gates["sm90"]["no_spills"]
+    spills = gates["sm90"]["no_spills"]["evidence"]["spills_by_kernel"]
+    assert all(v > 0 for v in spills.values())
+    replicated = gates["gfx942"]["issued_over_useful"]
+    assert replicated["pass"] is False, replicated
+    assert replicated["evidence"]["by_batch"]["32"]["replication"] > ks.MAX_ISSUED_OVER_USEFUL
+
+
+@pytest.mark.slow
+def test_reduced_case_list_meets_every_gate(tmp_path: Path) -> None:
+    """Issue 20's acceptance on a few cases and two targets: every gate, no exceptions."""
+    start = time.perf_counter()
+    _run(
+        "from benchmarks.kernel_static import main; "
+        f"main(['--cases', 'reduced', '--targets', 'sm90,gfx942', '--out', {str(tmp_path)!r}])"
+    )
+    assert time.perf_counter() - start < 300
+    (path,) = tmp_path.glob("kernel-static-*.json")
+    payload = json.loads(path.read_text())
+    assert {r["target"] for r in payload["results"]} == {"sm90", "gfx942"}
+    assert len(payload["results"]) == 2 * len(ks.REDUCED_CASES)
+    failed = ks.failures(payload)
+    assert not failed, "gates failed:\n" + "\n".join(failed)
