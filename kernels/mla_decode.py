@@ -29,8 +29,16 @@ and lse NaN; rows with no visible key give out 0 and lse -inf.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import triton
@@ -38,8 +46,10 @@ import triton.language as tl
 
 from rocm_mla.inputs import FAULT_BEYOND_TABLE, FAULT_BLOCK_ID
 from rocm_mla.kernels.merge_states import launch_merge
+from rocm_mla.kernels.residency import RESIDENCY_TARGETS, resident_programs
 from rocm_mla.kernels.target import TritonTarget, triton_target
 from rocm_mla.kernels.tuned_configs import LaunchConfig, TableEntry, lookup
+from rocm_mla.platform import triton_interpreting
 
 __all__ = [
     "LaunchConfig",
@@ -59,23 +69,19 @@ __all__ = [
 SPLIT_OVERHEAD_TOKENS = 84.0
 #: Below this many keys per split the overhead dominates; never split finer.
 MIN_TOKENS_PER_SPLIT = 256
-#: Upper bound on splits (stage 2 reads them all back per output row).
-MAX_SPLITS = 32
+#: Upper bound on splits (stage 2 reads them all back per output row). Room for one 32K
+#: request of 16 heads to fill two programs on each of MI300X's 304 CUs in 0.9 of a wave
+#: (B8 x 32K needs 76 splits there); MIN_TOKENS_PER_SPLIT still bounds short requests.
+MAX_SPLITS = 128
 
 _FAULT_BLOCK_ID = tl.constexpr(FAULT_BLOCK_ID)
 _FAULT_BEYOND_TABLE = tl.constexpr(FAULT_BEYOND_TABLE)
 #: Block-table columns stage 1 checks per step of its bad-id scan.
 _BLOCK_C = tl.constexpr(256)
 
-#: Per compute unit: (shared memory / LDS bytes, register file bytes, resident warps/waves).
-#: H100/H200: 228 KB shared, 64K 32-bit registers, 64 warps. MI300X: 64 KB LDS, 4 SIMDs x 512
-#: VGPRs x 64 lanes, 32 waves. MI355X: 160 KB LDS, same VGPRs. Others: an A100-like floor.
-_CU_RESOURCES = {
-    "sm90": (228 << 10, 256 << 10, 64),
-    "gfx942": (64 << 10, 512 << 10, 32),
-    "gfx950": (160 << 10, 512 << 10, 32),
-    "fallback": (164 << 10, 256 << 10, 64),
-}
+#: Per compute unit of a target with no residency model: (shared memory bytes, register file
+#: bytes, resident warps), an A100-like floor.
+_FALLBACK_CU = (164 << 10, 256 << 10, 64)
 
 
 def target_key(target: TritonTarget | None) -> str:
@@ -124,17 +130,213 @@ def programs_per_cu(
     kv_dtype: torch.dtype,
     head_dim: int = 576,
     head_dim_v: int = 512,
+    num_heads: int | None = None,
+    q_len: int = 1,
+    q_dtype: torch.dtype = torch.bfloat16,
+    page_size: int = 64,
+    cache_bytes: int = 0,
 ) -> int:
-    """Stage-1 programs one compute unit holds at once, estimated from the config's footprint.
+    """Stage-1 programs one compute unit holds at once: the compiled kernel's occupancy.
+
+    On sm90, gfx942 and gfx950 (``residency.RESIDENCY_TARGETS``) the config's stage 1 is
+    compiled once for ``target`` with the arguments ``mla_decode`` would pass for this shape
+    (a GPU is not needed: Triton compiles for a target it does not run on) and its
+    registers, shared memory / LDS and warps give the count (``residency``); cached per
+    (target, config, shape). ``num_heads`` defaults to ``config.block_h`` (one row group);
+    ``page_size`` and ``cache_bytes`` (the KV cache's size: HIP uses buffer loads only below
+    2 GiB) only refine the specialization. The interpreter runs one program at a time: 1. Other
+    targets get an estimate from the config's footprint (``_estimated_programs_per_cu``).
+    """
+    if target is None or target.backend == "interpreter":
+        return 1
+    key = target_key(target)
+    if key not in RESIDENCY_TARGETS:
+        return _estimated_programs_per_cu(
+            config, target, kv_dtype=kv_dtype, head_dim=head_dim, head_dim_v=head_dim_v
+        )
+    resources = _compiled_stage1_resources(
+        config,
+        target.backend,
+        target.arch,
+        kv_dtype=kv_dtype,
+        q_dtype=q_dtype,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        num_heads=config.block_h if num_heads is None else num_heads,
+        q_len=q_len,
+        page_size=page_size,
+        large_cache=cache_bytes >= 1 << 31,
+    )
+    return max(1, resident_programs(key, num_warps=config.num_warps, **resources))
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_stage1_resources(config: LaunchConfig, backend: str, arch: str, **shape) -> dict:
+    """Compile stage 1 for (backend, arch) as ``mla_decode`` would launch it and read its
+    registers and shared memory (``residency.resident_programs`` keywords).
+
+    Under ``TRITON_INTERPRET=1`` the ``@triton.jit`` functions of this process are
+    interpreter objects that cannot be compiled, so a child process without it compiles.
+    """
+    if not triton_interpreting():
+        return _compile_stage1_resources(config, backend, arch, **shape)
+    request = {
+        "config": config.to_dict(),
+        "backend": backend,
+        "arch": arch,
+        **{
+            k: str(v).removeprefix("torch.") if k.endswith("dtype") else v for k, v in shape.items()
+        },
+    }
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_CHILD, json.dumps(request)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"programs_per_cu: compiling stage 1 for {backend} {arch} failed: {done.stderr[-2000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_COMPILE_CHILD = """
+import json, sys
+import torch
+from rocm_mla.kernels import mla_decode as md
+request = json.loads(sys.argv[1])
+config = md.LaunchConfig.from_dict(request.pop("config"))
+backend, arch = request.pop("backend"), request.pop("arch")
+for key in ("kv_dtype", "q_dtype"):
+    request[key] = getattr(torch, request[key])
+print(json.dumps(md._compile_stage1_resources(config, backend, arch, **request)))
+"""
+
+
+def _compile_stage1_resources(
+    config: LaunchConfig,
+    backend: str,
+    arch: str,
+    *,
+    kv_dtype: torch.dtype,
+    q_dtype: torch.dtype,
+    head_dim: int,
+    head_dim_v: int,
+    num_heads: int,
+    q_len: int,
+    page_size: int,
+    large_cache: bool,
+) -> dict:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    here = TritonTarget(backend, arch, 1)
+    config = _group_config(config, q_len * num_heads)
+    num_groups = triton.cdiv(q_len * num_heads, config.block_h)
+    meta = {"device": "meta"}
+    batch = 2  # more than one request and split: no argument specializes to 1
+    pages = triton.cdiv((1 << 31) if large_cache else 1 << 20, page_size * head_dim) + 2
+    q = torch.empty(batch, q_len, num_heads, head_dim, dtype=q_dtype, **meta)
+    kv_cache = torch.empty(pages, page_size, head_dim, dtype=kv_dtype, **meta)
+    block_table = torch.empty(batch, triton.cdiv(pages, batch), dtype=torch.int32, **meta)
+    seqlens = torch.empty(batch, dtype=torch.int32, **meta)
+    part_out = torch.empty(2, batch, q_len, num_heads, head_dim_v, **meta)
+    part_lse = torch.empty(2, batch, q_len, num_heads, **meta)
+    _, args, kwargs = _stage1_arguments(
+        q,
+        kv_cache,
+        block_table,
+        seqlens,
+        part_out,
+        part_lse,
+        None,
+        head_dim_v=head_dim_v,
+        softmax_scale=head_dim**-0.5,
+        causal=True,
+        kv_scale=None if kv_dtype not in _FP8_MAX else 1.0,
+        num_groups=num_groups,
+        num_kv_splits=2,
+        config=config,
+        target=here,
+    )
+    if backend == "cuda":
+        gpu_target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)
+    else:
+        gpu_target = GPUTarget("hip", arch, 64)
+    # Triton's own binder: the specialization (divisibility, constexpr 1s, HIP buffer ops)
+    # is the one the runtime makes for these arguments.
+    fn = _mla_decode_stage1
+    compiler = make_backend(gpu_target)
+    binder = create_function_from_signature(fn.signature, fn.params, compiler)
+    kwargs = dict(kwargs, debug=False)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(
+        compiler, kwargs, bound, specialization, options
+    )
+    kernel = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs), target=gpu_target, options=options.__dict__
+    )
+    if backend == "cuda":
+        return {
+            "regs_per_thread": _cubin_registers(kernel.asm["cubin"]),
+            "smem_bytes": int(kernel.metadata.shared),
+        }
+    text = kernel.asm["amdgcn"]
+
+    def count(pattern: str) -> int:
+        found = re.search(pattern, text)
+        if found is None:
+            raise RuntimeError(f"programs_per_cu: {pattern!r} not in the amdgcn of stage 1")
+        return int(found.group(1))
+
+    # The arch VGPRs and the AGPRs apart (".vgpr_count" is their unified total).
+    return {
+        "regs_per_thread": count(r"; NumVgprs: (\d+)"),
+        "agprs_per_thread": count(r"; NumAgprs: (\d+)"),
+        "sgprs_per_wave": count(r"\.sgpr_count:\s+(\d+)"),
+        "smem_bytes": int(kernel.metadata.shared),
+    }
+
+
+def _cubin_registers(cubin: bytes) -> int:
+    """Registers per thread of the one kernel in ``cubin`` (the Triton wheel's cuobjdump)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run(
+            [str(tool), "--dump-resource-usage", file.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    found = re.search(r"REG:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"programs_per_cu: no register count in cuobjdump's output: {usage}")
+    return int(found.group(1))
+
+
+def _estimated_programs_per_cu(
+    config: LaunchConfig,
+    target: TritonTarget,
+    *,
+    kv_dtype: torch.dtype,
+    head_dim: int,
+    head_dim_v: int,
+) -> int:
+    """Programs per compute unit estimated from the config's footprint, for targets with no
+    residency model (neither sm90 nor gfx942/gfx950).
 
     Shared memory: ``num_stages`` KV tiles (at least one: the dots read it from there).
     Registers: the fp32 accumulator, the Q tile and two ``[BLOCK_H, BLOCK_N]`` fp32 score
     tiles, plus the KV tile on AMD (MFMA operands come from VGPRs). Warps: the resident
-    limit. An estimate, not the compiler's answer: it only has to rank split counts.
+    limit. It only has to rank split counts.
     """
-    if target is None or target.backend == "interpreter":
-        return 1
-    smem_cap, reg_cap, warp_cap = _CU_RESOURCES.get(target_key(target), _CU_RESOURCES["fallback"])
+    smem_cap, reg_cap, warp_cap = _FALLBACK_CU
     kv_bytes = kv_dtype.itemsize
     tile = config.block_n * head_dim * kv_bytes
     smem = max(config.num_stages, 1) * tile
@@ -510,6 +712,10 @@ def plan_launch(
     total_len: int,
     target: TritonTarget | None = None,
     config: LaunchConfig | None = None,
+    q_dtype: torch.dtype = torch.bfloat16,
+    head_dim: int = 576,
+    head_dim_v: int = 512,
+    page_size: int | None = None,
 ) -> tuple[LaunchConfig, int]:
     """The stage-1 launch config and split count for one decode step, from host-known lengths.
 
@@ -517,7 +723,8 @@ def plan_launch(
     and every layer of the step launches with the answer. ``max_len``/``total_len`` are the
     longest and summed cache lengths of the batch (an upper bound works: only speed changes).
     The config comes from the tuned table of ``target`` (``default_config``) unless given;
-    the split count fills whole waves of ``num_cus x programs_per_cu`` resident programs.
+    the split count fills whole waves of ``num_cus x programs_per_cu`` resident programs
+    (the compiled kernel's occupancy for this shape; ``page_size`` None assumes 64).
     """
     target = triton_target() if target is None else target
     if target is None:
@@ -526,7 +733,18 @@ def plan_launch(
         config = default_config(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype)
     config = _group_config(config, q_len * num_heads)
     num_groups = triton.cdiv(q_len * num_heads, config.block_h)
-    slots = target.num_cus * programs_per_cu(config, target, kv_dtype=kv_dtype)
+    slots = target.num_cus * programs_per_cu(
+        config,
+        target,
+        kv_dtype=kv_dtype,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        num_heads=num_heads,
+        q_len=q_len,
+        q_dtype=q_dtype,
+        page_size=64 if page_size is None else page_size,
+        cache_bytes=total_len * head_dim * kv_dtype.itemsize,
+    )
     splits = choose_num_kv_splits(batch, num_groups, total_len / max(batch, 1), max_len, slots)
     return config, splits
 
@@ -610,6 +828,84 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
     }
 
 
+def _stage1_arguments(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    fault_flag: torch.Tensor | None,
+    *,
+    head_dim_v: int,
+    softmax_scale: float,
+    causal: bool,
+    kv_scale: float | None,
+    num_groups: int,
+    num_kv_splits: int,
+    config: LaunchConfig,
+    target: TritonTarget,
+) -> tuple[tuple[int], tuple, dict]:
+    """``(grid, args, kwargs)`` of the stage-1 launch: what ``mla_decode`` runs and what
+    ``programs_per_cu`` compiles (on meta tensors) to read the kernel's resources."""
+    _, q_len, num_heads, head_dim = q.shape
+    rope_dim = head_dim - head_dim_v
+    dot_types = _dot_types(q.dtype, kv_cache.dtype, target, config)
+    dequant = 1.0 if kv_scale is None else float(kv_scale)
+    padded_dv = max(16, triton.next_power_of_2(head_dim_v))
+    # Two V halves only when each half is still a whole dot tile.
+    dv_chunks = config.dv_chunks if padded_dv >= 32 else 1
+    grid = (q.shape[0] * num_groups * num_kv_splits,)
+    args = (
+        q,
+        kv_cache,
+        block_table,
+        cache_seqlens,
+        part_out,
+        part_lse,
+        # Without a flag any pointer will do: HAS_FAULT_FLAG=False compiles the atomic away.
+        part_lse if fault_flag is None else fault_flag,
+        softmax_scale * dequant * math.log2(math.e),
+        dequant / dot_types["P_SCALE"],
+        num_groups,
+        num_kv_splits,
+        kv_cache.shape[0],
+        block_table.shape[1],
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_out.stride(3),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        part_lse.stride(2),
+        part_lse.stride(3),
+    )
+    kwargs = dict(
+        Q_LEN=q_len,
+        NUM_HEADS=num_heads,
+        HEAD_DIM_V=head_dim_v,
+        ROPE_DIM=rope_dim,
+        PAGE_SIZE=kv_cache.shape[1],
+        CAUSAL=bool(causal),
+        BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n,
+        BLOCK_DV=padded_dv // dv_chunks,
+        DV_CHUNKS=dv_chunks,
+        BLOCK_DR=max(16, triton.next_power_of_2(rope_dim)),
+        NUM_XCDS=config.num_xcds,
+        HAS_FAULT_FLAG=fault_flag is not None,
+        **dot_types,
+        **config.launch_options(target),
+    )
+    return grid, args, kwargs
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -654,8 +950,7 @@ def mla_decode(
         key get out 0 and lse -inf; rows that see a NaN/infinite score or a key that cannot
         be read get out and lse NaN.
     """
-    batch, q_len, num_heads, head_dim = q.shape
-    rope_dim = head_dim - head_dim_v
+    batch, q_len, num_heads, _ = q.shape
     if kv_cache.shape[0] < 1:
         # The kernel redirects bad block ids to the last block: there must be one.
         raise ValueError(
@@ -718,57 +1013,24 @@ def mla_decode(
             num_kv_splits, batch, q_len, num_heads, dtype=torch.float32, device=q.device
         )
 
-    dot_types = _dot_types(q.dtype, kv_cache.dtype, target, config)
-    dequant = 1.0 if kv_scale is None else float(kv_scale)
-    padded_dv = max(16, triton.next_power_of_2(head_dim_v))
-    # Two V halves only when each half is still a whole dot tile.
-    dv_chunks = config.dv_chunks if padded_dv >= 32 else 1
-    grid = (batch * num_groups * num_kv_splits,)
-    _mla_decode_stage1[grid](
+    grid, args, kwargs = _stage1_arguments(
         q,
         kv_cache,
         block_table,
         cache_seqlens,
         part_out,
         part_lse,
-        # Without a flag any pointer will do: HAS_FAULT_FLAG=False compiles the atomic away.
-        lse if fault_flag is None else fault_flag,
-        softmax_scale * dequant * math.log2(math.e),
-        dequant / dot_types["P_SCALE"],
-        num_groups,
-        num_kv_splits,
-        kv_cache.shape[0],
-        block_table.shape[1],
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        block_table.stride(0),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_out.stride(3),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        part_lse.stride(2),
-        part_lse.stride(3),
-        Q_LEN=q_len,
-        NUM_HEADS=num_heads,
-        HEAD_DIM_V=head_dim_v,
-        ROPE_DIM=rope_dim,
-        PAGE_SIZE=kv_cache.shape[1],
-        CAUSAL=bool(causal),
-        BLOCK_H=config.block_h,
-        BLOCK_N=config.block_n,
-        BLOCK_DV=padded_dv // dv_chunks,
-        DV_CHUNKS=dv_chunks,
-        BLOCK_DR=max(16, triton.next_power_of_2(rope_dim)),
-        NUM_XCDS=config.num_xcds,
-        HAS_FAULT_FLAG=fault_flag is not None,
-        **dot_types,
-        **config.launch_options(target),
+        fault_flag,
+        head_dim_v=head_dim_v,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        kv_scale=kv_scale,
+        num_groups=num_groups,
+        num_kv_splits=num_kv_splits,
+        config=config,
+        target=target,
     )
+    _mla_decode_stage1[grid](*args, **kwargs)
     if num_kv_splits > 1:
         launch_merge(
             part_out.view(num_kv_splits, batch * rows, head_dim_v),

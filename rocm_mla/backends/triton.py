@@ -124,6 +124,10 @@ class TritonMLAImpl(MLADecodeImpl):
             kv_dtype=spec.kv_dtype,
             max_len=max_seqlen,
             total_len=total_seqlen,
+            q_dtype=spec.q_dtype,
+            head_dim=spec.head_dim,
+            head_dim_v=spec.head_dim_v,
+            page_size=spec.block_size,
         )
 
     def _decode(
