@@ -465,6 +465,7 @@ def _mla_decode_stage1(
     P_SCALE: tl.constexpr,
     NUM_XCDS: tl.constexpr,
     HAS_FAULT_FLAG: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,
 ):
     num_programs = tl.num_programs(0)
     pid = _remap_for_xcds(tl.program_id(0), num_programs, NUM_XCDS)
@@ -556,12 +557,24 @@ def _mla_decode_stage1(
     block_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
     end = end.to(tl.int32)
 
+    # PREFETCH_IDS: the block ids of each tile are loaded one trip ahead (loop-carried), so
+    # the KV loads of a trip depend on no load of that trip and Triton's software pipeliner
+    # gives them their own LDS buffers (AMD's stays single-buffered otherwise).
+    next_pos = start + tl.arange(0, BLOCK_N)
+    if PREFETCH_IDS:
+        next_block = tl.load(block_row + next_pos // PAGE_SIZE, mask=next_pos < end, other=0)
     for tile in range(0, num_tiles):
-        n0 = start + tile * BLOCK_N
-        pos = n0 + tl.arange(0, BLOCK_N)
+        pos = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
         # pos < end <= capacity: every column read from the table is below max_blocks.
         in_range = pos < end
-        block = tl.load(block_row + pos // PAGE_SIZE, mask=in_range, other=0)
+        if PREFETCH_IDS:
+            block = next_block
+            # The mask compares without pos + BLOCK_N, which may wrap past 2^31 - 1 in lanes
+            # it drops.
+            ahead = pos < end - BLOCK_N
+            next_block = tl.load(block_row + (pos + BLOCK_N) // PAGE_SIZE, mask=ahead, other=0)
+        else:
+            block = tl.load(block_row + pos // PAGE_SIZE, mask=in_range, other=0)
         # A bad id (as uint32 a negative one is above 2^31) is clamped to the last block for
         # the address only, so every load stays inside kv_cache; the rows that may see such
         # a key are poisoned after the loop whatever it read (first_bad). Cheaper than a
@@ -694,12 +707,22 @@ def _mla_decode_stage1(
 
 
 def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
-    """``config`` with BLOCK_H shrunk for problems of fewer rows (S_q x H) than BLOCK_H.
+    """``config`` with BLOCK_H fitted to a problem of ``rows`` (S_q x H) query rows.
 
-    That cuts padded work (H = 16 runs a 64-row entry with 16 rows), but keeps 16 rows, the
-    smallest M a GPU dot takes; padded rows are masked.
+    Fewer rows than BLOCK_H: BLOCK_H shrinks to the next power of two (at least 16, the
+    smallest M a GPU dot takes; padded rows are masked). With ``rows_per_warp`` BLOCK_H and
+    num_warps shrink together to the BLOCK_H that pads the fewest rows (ties: the larger),
+    e.g. 96 rows run as three 32-row groups of 2 waves rather than two 64-row groups.
     """
-    return replace(config, block_h=max(16, min(config.block_h, triton.next_power_of_2(rows))))
+    if config.rows_per_warp is None:
+        return replace(config, block_h=max(16, min(config.block_h, triton.next_power_of_2(rows))))
+    best = config.block_h
+    block_h = config.block_h
+    while block_h >= config.rows_per_warp:
+        if triton.cdiv(rows, block_h) * block_h < triton.cdiv(rows, best) * best:
+            best = block_h
+        block_h //= 2
+    return replace(config, block_h=best, num_warps=best // config.rows_per_warp)
 
 
 def plan_launch(
@@ -900,6 +923,7 @@ def _stage1_arguments(
         BLOCK_DR=max(16, triton.next_power_of_2(rope_dim)),
         NUM_XCDS=config.num_xcds,
         HAS_FAULT_FLAG=fault_flag is not None,
+        PREFETCH_IDS=config.prefetch_ids,
         **dot_types,
         **config.launch_options(target),
     )

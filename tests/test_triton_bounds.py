@@ -44,6 +44,10 @@ if not torch.cuda.is_available() and not hasattr(mmap, "MAP_ANONYMOUS"):
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIG = LaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+#: The AMD row-owned shape: block ids loaded one loop trip ahead (another code path).
+PREFETCH = LaunchConfig(
+    block_h=16, block_n=16, num_warps=1, num_stages=3, rows_per_warp=16, prefetch_ids=True
+)
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 LENGTHS = [40, 33, 23]  # page 16: 3, 3 and 2 blocks; the table holds 4 columns (capacity 64)
@@ -101,7 +105,7 @@ def reference(q, kv, bt, lens):
     return rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
 
 
-def decode(q, kv, bt, lens, *, splits, flag=True):
+def decode(q, kv, bt, lens, *, splits, flag=True, config=CONFIG):
     """The kernel with no host value check (as a planned call runs it), and its flag."""
     p = prepare_decode(
         q,
@@ -123,7 +127,7 @@ def decode(q, kv, bt, lens, *, splits, flag=True):
         head_dim_v=512,
         softmax_scale=p.softmax_scale,
         num_kv_splits=splits,
-        config=CONFIG,
+        config=config,
         fault_flag=fault,
     )
     return out.cpu(), lse.cpu(), None if fault is None else int(fault.cpu()[0])
@@ -143,16 +147,17 @@ def bad_id(value, num_blocks):
     return {"num_blocks": num_blocks, "num_blocks+1": num_blocks + 1}.get(value, value)
 
 
+@pytest.mark.parametrize("config", [CONFIG, PREFETCH], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("value", BAD_IDS)
 def test_an_out_of_range_block_id_is_never_read_and_poisons_the_rows_that_see_it(
-    value, splits, dtype
+    value, splits, dtype, config
 ):
     q, kv, bt, lens = problem(dtype, seed=1)
     ref_out, ref_lse = reference(q, kv, bt, lens)
     bt[2, 1] = bad_id(value, kv.shape[0])  # keys 16..22 of request 2 (the table's last row)
-    out, lse, fault = decode(q, kv, bt, lens, splits=splits)
+    out, lse, fault = decode(q, kv, bt, lens, splits=splits, config=config)
     poisoned = torch.zeros(lse.shape, dtype=torch.bool)
     poisoned[2] = True
     assert_rows(out, lse, poisoned, ref_out, ref_lse, TOL[dtype])
@@ -192,15 +197,16 @@ def test_bad_block_ids_past_the_length_are_no_fault():
     assert fault == 0
 
 
+@pytest.mark.parametrize("config", [CONFIG, PREFETCH], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("length", [66, 1000, 10**6, INT32_MAX])
-def test_lengths_past_the_table_poison_their_request_and_nothing_else(length, splits):
+def test_lengths_past_the_table_poison_their_request_and_nothing_else(length, splits, config):
     """Capacity 64: with a length of 66 or more both queries of request 2 may see past it."""
     q, kv, bt, lens = problem(seed=4)
     ref_out, ref_lse = reference(q, kv, bt, lens)
     fill_spare_columns(kv, bt, 2)  # finite keys up to the capacity: only the length is bad
     lens[2] = length
-    out, lse, fault = decode(q, kv, bt, lens, splits=splits)
+    out, lse, fault = decode(q, kv, bt, lens, splits=splits, config=config)
     poisoned = torch.zeros(lse.shape, dtype=torch.bool)
     poisoned[2] = True
     assert_rows(out, lse, poisoned, ref_out, ref_lse, 1e-5)
