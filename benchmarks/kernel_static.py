@@ -265,7 +265,15 @@ def record_case(case: Case, target: GpuTarget, batch: int) -> dict:
             num_kv_splits=splits,
             config=config,
         )
-        planner_residency = md.programs_per_cu(config, tt, kv_dtype=kv_dtype)
+    # Outside the recording: programs_per_cu compiles the real kernel for this shape.
+    planner_residency = md.programs_per_cu(
+        config,
+        tt,
+        kv_dtype=kv_dtype,
+        num_heads=case.heads,
+        q_len=case.kernel_q_len,
+        cache_bytes=kv_cache.untyped_storage().nbytes(),
+    )
     return {
         "batch": batch,
         "requests": requests,

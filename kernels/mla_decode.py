@@ -29,16 +29,27 @@ and lse NaN; rows with no visible key give out 0 and lse -inf.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+from rocm_mla.inputs import FAULT_BEYOND_TABLE, FAULT_BLOCK_ID
 from rocm_mla.kernels.merge_states import launch_merge
+from rocm_mla.kernels.residency import RESIDENCY_TARGETS, resident_programs
 from rocm_mla.kernels.target import TritonTarget, triton_target
 from rocm_mla.kernels.tuned_configs import LaunchConfig, TableEntry, lookup
+from rocm_mla.platform import triton_interpreting
 
 __all__ = [
     "LaunchConfig",
@@ -58,18 +69,19 @@ __all__ = [
 SPLIT_OVERHEAD_TOKENS = 84.0
 #: Below this many keys per split the overhead dominates; never split finer.
 MIN_TOKENS_PER_SPLIT = 256
-#: Upper bound on splits (stage 2 reads them all back per output row).
-MAX_SPLITS = 32
+#: Upper bound on splits (stage 2 reads them all back per output row). Room for one 32K
+#: request of 16 heads to fill two programs on each of MI300X's 304 CUs in 0.9 of a wave
+#: (B8 x 32K needs 76 splits there); MIN_TOKENS_PER_SPLIT still bounds short requests.
+MAX_SPLITS = 128
 
-#: Per compute unit: (shared memory / LDS bytes, register file bytes, resident warps/waves).
-#: H100/H200: 228 KB shared, 64K 32-bit registers, 64 warps. MI300X: 64 KB LDS, 4 SIMDs x 512
-#: VGPRs x 64 lanes, 32 waves. MI355X: 160 KB LDS, same VGPRs. Others: an A100-like floor.
-_CU_RESOURCES = {
-    "sm90": (228 << 10, 256 << 10, 64),
-    "gfx942": (64 << 10, 512 << 10, 32),
-    "gfx950": (160 << 10, 512 << 10, 32),
-    "fallback": (164 << 10, 256 << 10, 64),
-}
+_FAULT_BLOCK_ID = tl.constexpr(FAULT_BLOCK_ID)
+_FAULT_BEYOND_TABLE = tl.constexpr(FAULT_BEYOND_TABLE)
+#: Block-table columns stage 1 checks per step of its bad-id scan.
+_BLOCK_C = tl.constexpr(256)
+
+#: Per compute unit of a target with no residency model: (shared memory bytes, register file
+#: bytes, resident warps), an A100-like floor.
+_FALLBACK_CU = (164 << 10, 256 << 10, 64)
 
 
 def target_key(target: TritonTarget | None) -> str:
@@ -118,17 +130,213 @@ def programs_per_cu(
     kv_dtype: torch.dtype,
     head_dim: int = 576,
     head_dim_v: int = 512,
+    num_heads: int | None = None,
+    q_len: int = 1,
+    q_dtype: torch.dtype = torch.bfloat16,
+    page_size: int = 64,
+    cache_bytes: int = 0,
 ) -> int:
-    """Stage-1 programs one compute unit holds at once, estimated from the config's footprint.
+    """Stage-1 programs one compute unit holds at once: the compiled kernel's occupancy.
+
+    On sm90, gfx942 and gfx950 (``residency.RESIDENCY_TARGETS``) the config's stage 1 is
+    compiled once for ``target`` with the arguments ``mla_decode`` would pass for this shape
+    (a GPU is not needed: Triton compiles for a target it does not run on) and its
+    registers, shared memory / LDS and warps give the count (``residency``); cached per
+    (target, config, shape). ``num_heads`` defaults to ``config.block_h`` (one row group);
+    ``page_size`` and ``cache_bytes`` (the KV cache's size: HIP uses buffer loads only below
+    2 GiB) only refine the specialization. The interpreter runs one program at a time: 1. Other
+    targets get an estimate from the config's footprint (``_estimated_programs_per_cu``).
+    """
+    if target is None or target.backend == "interpreter":
+        return 1
+    key = target_key(target)
+    if key not in RESIDENCY_TARGETS:
+        return _estimated_programs_per_cu(
+            config, target, kv_dtype=kv_dtype, head_dim=head_dim, head_dim_v=head_dim_v
+        )
+    resources = _compiled_stage1_resources(
+        config,
+        target.backend,
+        target.arch,
+        kv_dtype=kv_dtype,
+        q_dtype=q_dtype,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        num_heads=config.block_h if num_heads is None else num_heads,
+        q_len=q_len,
+        page_size=page_size,
+        large_cache=cache_bytes >= 1 << 31,
+    )
+    return max(1, resident_programs(key, num_warps=config.num_warps, **resources))
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_stage1_resources(config: LaunchConfig, backend: str, arch: str, **shape) -> dict:
+    """Compile stage 1 for (backend, arch) as ``mla_decode`` would launch it and read its
+    registers and shared memory (``residency.resident_programs`` keywords).
+
+    Under ``TRITON_INTERPRET=1`` the ``@triton.jit`` functions of this process are
+    interpreter objects that cannot be compiled, so a child process without it compiles.
+    """
+    if not triton_interpreting():
+        return _compile_stage1_resources(config, backend, arch, **shape)
+    request = {
+        "config": config.to_dict(),
+        "backend": backend,
+        "arch": arch,
+        **{
+            k: str(v).removeprefix("torch.") if k.endswith("dtype") else v for k, v in shape.items()
+        },
+    }
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_CHILD, json.dumps(request)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"programs_per_cu: compiling stage 1 for {backend} {arch} failed: {done.stderr[-2000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_COMPILE_CHILD = """
+import json, sys
+import torch
+from rocm_mla.kernels import mla_decode as md
+request = json.loads(sys.argv[1])
+config = md.LaunchConfig.from_dict(request.pop("config"))
+backend, arch = request.pop("backend"), request.pop("arch")
+for key in ("kv_dtype", "q_dtype"):
+    request[key] = getattr(torch, request[key])
+print(json.dumps(md._compile_stage1_resources(config, backend, arch, **request)))
+"""
+
+
+def _compile_stage1_resources(
+    config: LaunchConfig,
+    backend: str,
+    arch: str,
+    *,
+    kv_dtype: torch.dtype,
+    q_dtype: torch.dtype,
+    head_dim: int,
+    head_dim_v: int,
+    num_heads: int,
+    q_len: int,
+    page_size: int,
+    large_cache: bool,
+) -> dict:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    here = TritonTarget(backend, arch, 1)
+    config = _group_config(config, q_len * num_heads)
+    num_groups = triton.cdiv(q_len * num_heads, config.block_h)
+    meta = {"device": "meta"}
+    batch = 2  # more than one request and split: no argument specializes to 1
+    pages = triton.cdiv((1 << 31) if large_cache else 1 << 20, page_size * head_dim) + 2
+    q = torch.empty(batch, q_len, num_heads, head_dim, dtype=q_dtype, **meta)
+    kv_cache = torch.empty(pages, page_size, head_dim, dtype=kv_dtype, **meta)
+    block_table = torch.empty(batch, triton.cdiv(pages, batch), dtype=torch.int32, **meta)
+    seqlens = torch.empty(batch, dtype=torch.int32, **meta)
+    part_out = torch.empty(2, batch, q_len, num_heads, head_dim_v, **meta)
+    part_lse = torch.empty(2, batch, q_len, num_heads, **meta)
+    _, args, kwargs = _stage1_arguments(
+        q,
+        kv_cache,
+        block_table,
+        seqlens,
+        part_out,
+        part_lse,
+        None,
+        head_dim_v=head_dim_v,
+        softmax_scale=head_dim**-0.5,
+        causal=True,
+        kv_scale=None if kv_dtype not in _FP8_MAX else 1.0,
+        num_groups=num_groups,
+        num_kv_splits=2,
+        config=config,
+        target=here,
+    )
+    if backend == "cuda":
+        gpu_target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)
+    else:
+        gpu_target = GPUTarget("hip", arch, 64)
+    # Triton's own binder: the specialization (divisibility, constexpr 1s, HIP buffer ops)
+    # is the one the runtime makes for these arguments.
+    fn = _mla_decode_stage1
+    compiler = make_backend(gpu_target)
+    binder = create_function_from_signature(fn.signature, fn.params, compiler)
+    kwargs = dict(kwargs, debug=False)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(
+        compiler, kwargs, bound, specialization, options
+    )
+    kernel = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs), target=gpu_target, options=options.__dict__
+    )
+    if backend == "cuda":
+        return {
+            "regs_per_thread": _cubin_registers(kernel.asm["cubin"]),
+            "smem_bytes": int(kernel.metadata.shared),
+        }
+    text = kernel.asm["amdgcn"]
+
+    def count(pattern: str) -> int:
+        found = re.search(pattern, text)
+        if found is None:
+            raise RuntimeError(f"programs_per_cu: {pattern!r} not in the amdgcn of stage 1")
+        return int(found.group(1))
+
+    # The arch VGPRs and the AGPRs apart (".vgpr_count" is their unified total).
+    return {
+        "regs_per_thread": count(r"; NumVgprs: (\d+)"),
+        "agprs_per_thread": count(r"; NumAgprs: (\d+)"),
+        "sgprs_per_wave": count(r"\.sgpr_count:\s+(\d+)"),
+        "smem_bytes": int(kernel.metadata.shared),
+    }
+
+
+def _cubin_registers(cubin: bytes) -> int:
+    """Registers per thread of the one kernel in ``cubin`` (the Triton wheel's cuobjdump)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run(
+            [str(tool), "--dump-resource-usage", file.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    found = re.search(r"REG:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"programs_per_cu: no register count in cuobjdump's output: {usage}")
+    return int(found.group(1))
+
+
+def _estimated_programs_per_cu(
+    config: LaunchConfig,
+    target: TritonTarget,
+    *,
+    kv_dtype: torch.dtype,
+    head_dim: int,
+    head_dim_v: int,
+) -> int:
+    """Programs per compute unit estimated from the config's footprint, for targets with no
+    residency model (neither sm90 nor gfx942/gfx950).
 
     Shared memory: ``num_stages`` KV tiles (at least one: the dots read it from there).
     Registers: the fp32 accumulator, the Q tile and two ``[BLOCK_H, BLOCK_N]`` fp32 score
     tiles, plus the KV tile on AMD (MFMA operands come from VGPRs). Warps: the resident
-    limit. An estimate, not the compiler's answer: it only has to rank split counts.
+    limit. It only has to rank split counts.
     """
-    if target is None or target.backend == "interpreter":
-        return 1
-    smem_cap, reg_cap, warp_cap = _CU_RESOURCES.get(target_key(target), _CU_RESOURCES["fallback"])
+    smem_cap, reg_cap, warp_cap = _FALLBACK_CU
     kv_bytes = kv_dtype.itemsize
     tile = config.block_n * head_dim * kv_bytes
     smem = max(config.num_stages, 1) * tile
@@ -215,10 +423,13 @@ def _mla_decode_stage1(
     seqlens_ptr,  # [B] int32
     out_ptr,  # [splits, B, S_q, H, Dv] (fp32 partials) or [B, S_q, H, Dv] (final, 1 split)
     lse_ptr,  # [splits, B, S_q, H] fp32 or [B, S_q, H]
+    fault_ptr,  # [1] int32, FAULT_* bits ORed in (read only with HAS_FAULT_FLAG)
     qk_scale,  # softmax scale x kv dequant scale x log2(e): scores in base 2
     out_scale,  # kv dequant scale / P_SCALE, applied to the output
     num_groups,
     num_splits,
+    num_blocks,
+    max_blocks,
     stride_q_b,
     stride_q_i,
     stride_q_h,
@@ -253,6 +464,8 @@ def _mla_decode_stage1(
     FP8_MAX: tl.constexpr,
     P_SCALE: tl.constexpr,
     NUM_XCDS: tl.constexpr,
+    HAS_FAULT_FLAG: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,
 ):
     num_programs = tl.num_programs(0)
     pid = _remap_for_xcds(tl.program_id(0), num_programs, NUM_XCDS)
@@ -267,18 +480,30 @@ def _mla_decode_stage1(
     # Index x stride products are int64: a cache view or a batch of q can pass 2^31 elements.
     qpos = (rows // NUM_HEADS).to(tl.int64)
     head = (rows % NUM_HEADS).to(tl.int64)
-    # Causal: query i of S_q sees keys [0, L - S_q + i].
+    # Causal: query i of S_q sees keys [0, L - S_q + i]. A length <= 0 sees nothing; testing
+    # it first keeps L - S_q + i from wrapping at L near -2^31.
     if CAUSAL:
-        visible = seqlen - (Q_LEN - 1) + (rows // NUM_HEADS)
+        visible = tl.where(seqlen > 0, seqlen - (Q_LEN - 1) + (rows // NUM_HEADS), 0)
     else:
         visible = tl.zeros([BLOCK_H], tl.int32) + seqlen
-    visible = tl.where(row_valid, visible, 0)
+    visible = tl.where(row_valid & (visible > 0), visible, 0)
 
+    # Planned calls do not check lengths or block ids on the host, so the kernel only reads
+    # keys that exist: key p lives in table column p // PAGE_SIZE, which must be below
+    # max_blocks, and its block id in [0, num_blocks). A row that may see a key past the
+    # table is poisoned up front; the walk stops at the table's end. int64 scalars: a
+    # length near 2^31 - 1 rounded up to whole tiles would wrap in int32.
+    capacity = max_blocks.to(tl.int64) * PAGE_SIZE
+    beyond_table = visible.to(tl.int64) > capacity
+    length = tl.minimum(tl.maximum(seqlen, 0).to(tl.int64), capacity)
     # Split s of this request covers keys [s * chunk, (s + 1) * chunk), chunk a multiple of
     # the tile; the slice stops at the furthest key any row of this group may see.
-    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
-    end = tl.minimum(start + chunk, tl.max(visible, axis=0))
+    end = tl.minimum(tl.minimum(start + chunk, tl.max(visible, axis=0).to(tl.int64)), capacity)
+    # The loop counts tiles, not keys: n0 + BLOCK_N would wrap past an end near 2^31 - 1.
+    num_tiles = tl.where(end > start, (end - start - 1) // BLOCK_N + 1, 0).to(tl.int32)
+    start = tl.minimum(start, end).to(tl.int32)
 
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
@@ -330,11 +555,33 @@ def _mla_decode_stage1(
     if DV_CHUNKS == 2:
         acc_hi = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     block_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
+    end = end.to(tl.int32)
 
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
+    # PREFETCH_IDS: the block ids of each tile are loaded one trip ahead (loop-carried), so
+    # the KV loads of a trip depend on no load of that trip and Triton's software pipeliner
+    # gives them their own LDS buffers (AMD's stays single-buffered otherwise).
+    next_pos = start + tl.arange(0, BLOCK_N)
+    if PREFETCH_IDS:
+        next_block = tl.load(block_row + next_pos // PAGE_SIZE, mask=next_pos < end, other=0)
+    for tile in range(0, num_tiles):
+        pos = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        # pos < end <= capacity: every column read from the table is below max_blocks.
         in_range = pos < end
-        block = tl.load(block_row + pos // PAGE_SIZE, mask=in_range, other=0)
+        if PREFETCH_IDS:
+            block = next_block
+            # The mask compares without pos + BLOCK_N, which may wrap past 2^31 - 1 in lanes
+            # it drops.
+            ahead = pos < end - BLOCK_N
+            next_block = tl.load(block_row + (pos + BLOCK_N) // PAGE_SIZE, mask=ahead, other=0)
+        else:
+            block = tl.load(block_row + pos // PAGE_SIZE, mask=in_range, other=0)
+        # A bad id (as uint32 a negative one is above 2^31) is clamped to the last block for
+        # the address only, so every load stays inside kv_cache; the rows that may see such
+        # a key are poisoned after the loop whatever it read (first_bad). Cheaper than a
+        # second load mask: one unsigned min per key; back to int32 (the result is below
+        # num_blocks) so the offset math stays what it was.
+        block = tl.minimum(block.to(tl.uint32, bitcast=True), num_blocks - 1)
+        block = block.to(tl.int32, bitcast=True)
         token = (
             kv_ptr
             + block.to(tl.int64) * stride_kv_block
@@ -405,6 +652,27 @@ def _mla_decode_stage1(
             )
         running_max = new_max
 
+    # Which rows may see a key whose block id is bad: the first key of [start, end) in such a
+    # column, found once per page here (the ids are in cache by now) rather than once per
+    # key in the loop. Counted in steps, written to stay clear of int32 wrap near 2^31.
+    first_bad = tl.full([_BLOCK_C], 2**31 - 1, tl.int32)
+    col_start = start // PAGE_SIZE
+    col_end = tl.where(end > start, (end - 1) // PAGE_SIZE + 1, col_start)
+    for step in range(0, tl.cdiv(col_end - col_start, _BLOCK_C)):
+        cols = col_start + step * _BLOCK_C + tl.arange(0, _BLOCK_C)
+        ids = tl.load(block_row + cols, mask=cols < col_end, other=0)
+        bad = (cols < col_end) & (ids.to(tl.uint32, bitcast=True) >= num_blocks)
+        first_bad = tl.minimum(
+            first_bad, tl.where(bad, tl.maximum(cols * PAGE_SIZE, start), 2**31 - 1)
+        )
+    first_bad = tl.min(first_bad, axis=0)
+    unreadable = (first_bad < visible) | beyond_table
+    denom = denom + tl.where(unreadable, float("nan"), 0.0)
+    if HAS_FAULT_FLAG:
+        faults = tl.where(first_bad < 2**31 - 1, _FAULT_BLOCK_ID, 0)
+        beyond = tl.max(beyond_table.to(tl.int32), axis=0) > 0
+        faults = faults | tl.where(beyond, _FAULT_BEYOND_TABLE, 0)
+        tl.atomic_or(fault_ptr, faults, mask=faults != 0)
     # Only denom == 0 means "no visible key"; a poisoned (NaN) denom makes out and lse NaN.
     empty = denom == 0
     safe_denom = tl.where(empty, 1.0, denom)
@@ -439,12 +707,22 @@ def _mla_decode_stage1(
 
 
 def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
-    """``config`` with BLOCK_H shrunk for problems of fewer rows (S_q x H) than BLOCK_H.
+    """``config`` with BLOCK_H fitted to a problem of ``rows`` (S_q x H) query rows.
 
-    That cuts padded work (H = 16 runs a 64-row entry with 16 rows), but keeps 16 rows, the
-    smallest M a GPU dot takes; padded rows are masked.
+    Fewer rows than BLOCK_H: BLOCK_H shrinks to the next power of two (at least 16, the
+    smallest M a GPU dot takes; padded rows are masked). With ``rows_per_warp`` BLOCK_H and
+    num_warps shrink together to the BLOCK_H that pads the fewest rows (ties: the larger),
+    e.g. 96 rows run as three 32-row groups of 2 waves rather than two 64-row groups.
     """
-    return replace(config, block_h=max(16, min(config.block_h, triton.next_power_of_2(rows))))
+    if config.rows_per_warp is None:
+        return replace(config, block_h=max(16, min(config.block_h, triton.next_power_of_2(rows))))
+    best = config.block_h
+    block_h = config.block_h
+    while block_h >= config.rows_per_warp:
+        if triton.cdiv(rows, block_h) * block_h < triton.cdiv(rows, best) * best:
+            best = block_h
+        block_h //= 2
+    return replace(config, block_h=best, num_warps=best // config.rows_per_warp)
 
 
 def plan_launch(
@@ -457,6 +735,10 @@ def plan_launch(
     total_len: int,
     target: TritonTarget | None = None,
     config: LaunchConfig | None = None,
+    q_dtype: torch.dtype = torch.bfloat16,
+    head_dim: int = 576,
+    head_dim_v: int = 512,
+    page_size: int | None = None,
 ) -> tuple[LaunchConfig, int]:
     """The stage-1 launch config and split count for one decode step, from host-known lengths.
 
@@ -464,7 +746,8 @@ def plan_launch(
     and every layer of the step launches with the answer. ``max_len``/``total_len`` are the
     longest and summed cache lengths of the batch (an upper bound works: only speed changes).
     The config comes from the tuned table of ``target`` (``default_config``) unless given;
-    the split count fills whole waves of ``num_cus x programs_per_cu`` resident programs.
+    the split count fills whole waves of ``num_cus x programs_per_cu`` resident programs
+    (the compiled kernel's occupancy for this shape; ``page_size`` None assumes 64).
     """
     target = triton_target() if target is None else target
     if target is None:
@@ -473,7 +756,18 @@ def plan_launch(
         config = default_config(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype)
     config = _group_config(config, q_len * num_heads)
     num_groups = triton.cdiv(q_len * num_heads, config.block_h)
-    slots = target.num_cus * programs_per_cu(config, target, kv_dtype=kv_dtype)
+    slots = target.num_cus * programs_per_cu(
+        config,
+        target,
+        kv_dtype=kv_dtype,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        num_heads=num_heads,
+        q_len=q_len,
+        q_dtype=q_dtype,
+        page_size=64 if page_size is None else page_size,
+        cache_bytes=total_len * head_dim * kv_dtype.itemsize,
+    )
     splits = choose_num_kv_splits(batch, num_groups, total_len / max(batch, 1), max_len, slots)
     return config, splits
 
@@ -557,6 +851,85 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
     }
 
 
+def _stage1_arguments(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    fault_flag: torch.Tensor | None,
+    *,
+    head_dim_v: int,
+    softmax_scale: float,
+    causal: bool,
+    kv_scale: float | None,
+    num_groups: int,
+    num_kv_splits: int,
+    config: LaunchConfig,
+    target: TritonTarget,
+) -> tuple[tuple[int], tuple, dict]:
+    """``(grid, args, kwargs)`` of the stage-1 launch: what ``mla_decode`` runs and what
+    ``programs_per_cu`` compiles (on meta tensors) to read the kernel's resources."""
+    _, q_len, num_heads, head_dim = q.shape
+    rope_dim = head_dim - head_dim_v
+    dot_types = _dot_types(q.dtype, kv_cache.dtype, target, config)
+    dequant = 1.0 if kv_scale is None else float(kv_scale)
+    padded_dv = max(16, triton.next_power_of_2(head_dim_v))
+    # Two V halves only when each half is still a whole dot tile.
+    dv_chunks = config.dv_chunks if padded_dv >= 32 else 1
+    grid = (q.shape[0] * num_groups * num_kv_splits,)
+    args = (
+        q,
+        kv_cache,
+        block_table,
+        cache_seqlens,
+        part_out,
+        part_lse,
+        # Without a flag any pointer will do: HAS_FAULT_FLAG=False compiles the atomic away.
+        part_lse if fault_flag is None else fault_flag,
+        softmax_scale * dequant * math.log2(math.e),
+        dequant / dot_types["P_SCALE"],
+        num_groups,
+        num_kv_splits,
+        kv_cache.shape[0],
+        block_table.shape[1],
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_out.stride(3),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        part_lse.stride(2),
+        part_lse.stride(3),
+    )
+    kwargs = dict(
+        Q_LEN=q_len,
+        NUM_HEADS=num_heads,
+        HEAD_DIM_V=head_dim_v,
+        ROPE_DIM=rope_dim,
+        PAGE_SIZE=kv_cache.shape[1],
+        CAUSAL=bool(causal),
+        BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n,
+        BLOCK_DV=padded_dv // dv_chunks,
+        DV_CHUNKS=dv_chunks,
+        BLOCK_DR=max(16, triton.next_power_of_2(rope_dim)),
+        NUM_XCDS=config.num_xcds,
+        HAS_FAULT_FLAG=fault_flag is not None,
+        PREFETCH_IDS=config.prefetch_ids,
+        **dot_types,
+        **config.launch_options(target),
+    )
+    return grid, args, kwargs
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -569,8 +942,14 @@ def mla_decode(
     kv_scale: float | None = None,
     num_kv_splits: int | None = None,
     config: LaunchConfig | None = None,
+    fault_flag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV MLA decode over already validated inputs (``rocm_mla.inputs.prepare_decode``).
+    """Split-KV MLA decode over shape-checked inputs (``rocm_mla.inputs.prepare_decode``).
+
+    Lengths and block ids need not have been value-checked: nothing outside ``kv_cache``
+    and ``block_table`` is ever read, whatever they hold, and every query row that may see a
+    key whose table column is past ``max_blocks`` or whose block id is outside
+    ``[0, num_blocks)`` comes out NaN (out and lse).
 
     Args:
         q: ``[B, S_q, H, D]`` float32/float16/bfloat16.
@@ -586,13 +965,36 @@ def mla_decode(
             call makes no device-to-host transfer.
         config: stage-1 launch config (e.g. from ``plan_launch``); None takes the tuned
             table's entry for this target and shape (host-only).
+        fault_flag: int32 ``[1]`` on q's device, or None: the kernel ORs
+            ``rocm_mla.inputs.FAULT_BLOCK_ID`` / ``FAULT_BEYOND_TABLE`` into it on the device
+            (no sync) when a row may see such a key; it never clears it.
 
     Returns:
         ``(out [B, S_q, H, Dv] in q's dtype, lse [B, S_q, H] float32)``; rows with no visible
-        key get out 0 and lse -inf; rows that see a NaN/infinite score get out and lse NaN.
+        key get out 0 and lse -inf; rows that see a NaN/infinite score or a key that cannot
+        be read get out and lse NaN.
     """
-    batch, q_len, num_heads, head_dim = q.shape
-    rope_dim = head_dim - head_dim_v
+    batch, q_len, num_heads, _ = q.shape
+    if kv_cache.shape[0] < 1:
+        # The kernel redirects bad block ids to the last block: there must be one.
+        raise ValueError(
+            f"mla_decode: kv_cache must hold at least one block, got {tuple(kv_cache.shape)}"
+        )
+    if fault_flag is not None and (
+        not isinstance(fault_flag, torch.Tensor)
+        or fault_flag.dtype != torch.int32
+        or tuple(fault_flag.shape) != (1,)
+        or fault_flag.device != q.device
+    ):
+        got = (
+            f"{tuple(fault_flag.shape)} {fault_flag.dtype} on {fault_flag.device}"
+            if isinstance(fault_flag, torch.Tensor)
+            else type(fault_flag).__name__
+        )
+        raise ValueError(
+            f"mla_decode: fault_flag must be an int32 tensor of shape [1] on q's device "
+            f"({q.device}) or None, got {got}"
+        )
     # The kernel indexes q's last dim, a block-table row and the lengths with unit stride.
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
@@ -635,52 +1037,24 @@ def mla_decode(
             num_kv_splits, batch, q_len, num_heads, dtype=torch.float32, device=q.device
         )
 
-    dot_types = _dot_types(q.dtype, kv_cache.dtype, target, config)
-    dequant = 1.0 if kv_scale is None else float(kv_scale)
-    padded_dv = max(16, triton.next_power_of_2(head_dim_v))
-    # Two V halves only when each half is still a whole dot tile.
-    dv_chunks = config.dv_chunks if padded_dv >= 32 else 1
-    grid = (batch * num_groups * num_kv_splits,)
-    _mla_decode_stage1[grid](
+    grid, args, kwargs = _stage1_arguments(
         q,
         kv_cache,
         block_table,
         cache_seqlens,
         part_out,
         part_lse,
-        softmax_scale * dequant * math.log2(math.e),
-        dequant / dot_types["P_SCALE"],
-        num_groups,
-        num_kv_splits,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        block_table.stride(0),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_out.stride(3),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        part_lse.stride(2),
-        part_lse.stride(3),
-        Q_LEN=q_len,
-        NUM_HEADS=num_heads,
-        HEAD_DIM_V=head_dim_v,
-        ROPE_DIM=rope_dim,
-        PAGE_SIZE=kv_cache.shape[1],
-        CAUSAL=bool(causal),
-        BLOCK_H=config.block_h,
-        BLOCK_N=config.block_n,
-        BLOCK_DV=padded_dv // dv_chunks,
-        DV_CHUNKS=dv_chunks,
-        BLOCK_DR=max(16, triton.next_power_of_2(rope_dim)),
-        NUM_XCDS=config.num_xcds,
-        **dot_types,
-        **config.launch_options(target),
+        fault_flag,
+        head_dim_v=head_dim_v,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        kv_scale=kv_scale,
+        num_groups=num_groups,
+        num_kv_splits=num_kv_splits,
+        config=config,
+        target=target,
     )
+    _mla_decode_stage1[grid](*args, **kwargs)
     if num_kv_splits > 1:
         launch_merge(
             part_out.view(num_kv_splits, batch * rows, head_dim_v),

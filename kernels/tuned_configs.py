@@ -51,6 +51,13 @@ class LaunchConfig:
     waves_per_eu: int | None = None
     matrix_instr_nonkdim: int | None = None
     kpack: int | None = None
+    #: Each warp (wave) owns this many distinct rows: ``block_h = rows_per_warp * num_warps``.
+    #: Then no warp repeats another's share of ``Q K^T`` (a 16-row MFMA per wave), and a
+    #: problem of fewer rows shrinks ``block_h`` and ``num_warps`` together (``mla_decode``).
+    rows_per_warp: int | None = None
+    #: Load each tile's block ids one loop trip ahead, so the KV loads can be pipelined into
+    #: ``num_stages - 1`` LDS / shared buffers (costs the registers of one more id vector).
+    prefetch_ids: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n"):
@@ -61,6 +68,16 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig: dv_chunks must be 1 or 2, got {self.dv_chunks}")
         if self.num_warps < 1 or self.num_stages < 1 or self.num_xcds < 1:
             raise ValueError(f"LaunchConfig: num_warps, num_stages, num_xcds must be >= 1: {self}")
+        if self.rows_per_warp is not None and (
+            self.rows_per_warp < 16
+            or self.rows_per_warp & (self.rows_per_warp - 1)
+            or self.rows_per_warp * self.num_warps != self.block_h
+        ):
+            raise ValueError(
+                "LaunchConfig: rows_per_warp must be a power of two >= 16 with "
+                f"rows_per_warp x num_warps == block_h, got rows_per_warp={self.rows_per_warp}, "
+                f"num_warps={self.num_warps}, block_h={self.block_h}"
+            )
 
     def launch_options(self, target) -> dict:
         """Keyword options of the Triton launch for ``target`` (a ``TritonTarget`` or None)."""
@@ -99,6 +116,26 @@ _SWEEP_H200 = (
     "best everywhere; H16 runs it with 16 rows"
 )
 
+
+def _row_owned(
+    arch: str, *, bf16: LaunchConfig, fp8: LaunchConfig | None = None
+) -> dict[Key, TableEntry]:
+    """AMD entries for the compute-bound shapes (S_q x H >= 64 in the buckets that reach it:
+    H 17-128 at any S_q, H <= 16 at S_q 3-8): 16 rows per wave, so the waves split the rows of
+    ``Q K^T`` instead of each computing all of them (the 4x replication of 16-row tiles).
+    ``fp8`` None: the fp8 shapes keep the arch's general fp8 entry."""
+    why = (
+        f"unmeasured: compiled for {arch}, each wave owns 16 rows (issued/useful QK.PV 1.0), "
+        "V in two halves, block ids one trip ahead so the KV loads are pipelined, no spills"
+    )
+    entries = {}
+    for key in (("128", "*"), ("64", "*"), ("16", "4")):
+        entries[(*key, "16bit")] = TableEntry(bf16, why)
+        if fp8 is not None:
+            entries[(*key, "fp8")] = TableEntry(fp8, why)
+    return entries
+
+
 TABLES: dict[str, dict[Key, TableEntry]] = {
     # Hopper: 228 KB of shared memory per SM and wgmma wants M = 64. 8 warps split the
     # [64, 512] fp32 accumulator over two warpgroups (128 registers a thread).
@@ -118,28 +155,16 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
             "unmeasured: the pre-tuning CUDA default (fp32 is a test dtype)",
         ),
     },
-    # MI300X: 64 KB of LDS per CU, so 16-key tiles and no software pipelining; one wave
-    # per SIMD leaves the registers to the accumulator; 16x16 MFMA with kpack 2; 8 XCDs.
+    # MI300X: 64 KB of LDS per CU, so 16-key tiles (32 for fp8); one wave per SIMD leaves
+    # the registers to the accumulator; 16x16 MFMA with kpack 2; 8 XCDs. The memory-bound
+    # shapes (fewer than 64 rows) keep 4 waves on one 16-row tile; the compute-bound ones
+    # give each wave its own 16 rows and two LDS stages (_row_owned).
     "gfx942": {
         ("*", "*", "*"): TableEntry(
             LaunchConfig(
                 block_h=16, block_n=16, num_warps=4, num_stages=1, num_xcds=8, kpack=2, **_AMD_KNOBS
             ),
             "unmeasured: sglang/vLLM's MI3xx shape; compiles without spills",
-        ),
-        ("128", "*", "16bit"): TableEntry(
-            LaunchConfig(
-                block_h=32,
-                block_n=16,
-                num_warps=8,
-                num_stages=1,
-                dv_chunks=2,
-                num_xcds=8,
-                kpack=2,
-                **_AMD_KNOBS,
-            ),
-            "unmeasured: 32 rows halve the KV re-reads at H128; 8 waves and two V halves keep "
-            "the [32, 512] accumulator in VGPRs",
         ),
         ("*", "*", "fp8"): TableEntry(
             LaunchConfig(
@@ -155,6 +180,35 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
             ),
             "unmeasured: fp8 tiles are half the bytes, so 32 keys fit the LDS",
         ),
+        **_row_owned(
+            "gfx942",
+            bf16=LaunchConfig(
+                block_h=64,
+                block_n=16,
+                num_warps=4,
+                num_stages=3,
+                dv_chunks=2,
+                num_xcds=8,
+                kpack=2,
+                rows_per_warp=16,
+                prefetch_ids=True,
+                **_AMD_KNOBS,
+            ),
+            fp8=LaunchConfig(
+                block_h=64,
+                block_n=32,
+                num_warps=4,
+                num_stages=3,
+                dv_chunks=2,
+                num_xcds=8,
+                fp8_qk=True,
+                fp8_pv=True,
+                kpack=2,
+                rows_per_warp=16,
+                prefetch_ids=True,
+                **_AMD_KNOBS,
+            ),
+        ),
     },
     # MI355X: 160 KB of LDS allows double buffering; 8 warps split the accumulator (32-key
     # tiles with 8 warps spill in Triton 3.9); kpack is deprecated there (forced to 1).
@@ -164,18 +218,6 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
                 block_h=16, block_n=16, num_warps=8, num_stages=2, num_xcds=8, **_AMD_KNOBS
             ),
             "unmeasured: compiles without spills",
-        ),
-        ("128", "*", "16bit"): TableEntry(
-            LaunchConfig(
-                block_h=32,
-                block_n=16,
-                num_warps=8,
-                num_stages=2,
-                dv_chunks=2,
-                num_xcds=8,
-                **_AMD_KNOBS,
-            ),
-            "unmeasured: 32 rows halve the KV re-reads at H128; compiles without spills",
         ),
         ("*", "*", "fp8"): TableEntry(
             LaunchConfig(
@@ -189,6 +231,22 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
                 **_AMD_KNOBS,
             ),
             "unmeasured: fp8 tiles are half the bytes, so 32 keys fit",
+        ),
+        # No row-owned fp8 entry: at 64 rows x 32 keys it spills 1-77 VGPRs in Triton 3.9
+        # (1, 2 or 3 stages, one or two V halves, ids ahead or not); 16 keys spill hundreds.
+        **_row_owned(
+            "gfx950",
+            bf16=LaunchConfig(
+                block_h=64,
+                block_n=16,
+                num_warps=4,
+                num_stages=3,
+                dv_chunks=2,
+                num_xcds=8,
+                rows_per_warp=16,
+                prefetch_ids=True,
+                **_AMD_KNOBS,
+            ),
         ),
         # fp32 tiles spill 100-130 VGPRs with 8 warps (Triton 3.9), with or without stages.
         ("*", "*", "fp32"): TableEntry(

@@ -309,10 +309,11 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
     consts = dict(Q_LEN=1, NUM_HEADS=128, HEAD_DIM_V=512, ROPE_DIM=64, PAGE_SIZE=64,
                   CAUSAL=True, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
                   BLOCK_DV=512 // config.dv_chunks, DV_CHUNKS=config.dv_chunks, BLOCK_DR=64,
-                  NUM_XCDS=config.num_xcds, **md._dot_types(q_dtype, kv_dtype, here, config))
+                  NUM_XCDS=config.num_xcds, HAS_FAULT_FLAG=True, PREFETCH_IDS=config.prefetch_ids,
+                  **md._dot_types(q_dtype, kv_dtype, here, config))
     pointers = {"q_ptr": "*" + tl_name[q_dtype], "kv_ptr": "*" + tl_name[kv_dtype],
                 "block_table_ptr": "*i32", "seqlens_ptr": "*i32", "out_ptr": "*fp32",
-                "lse_ptr": "*fp32"}
+                "lse_ptr": "*fp32", "fault_ptr": "*i32"}
     stage1 = build(md._mla_decode_stage1, pointers, consts, target, config.launch_options(here))
     print(json.dumps({"kernel": "stage1", "config": config.to_dict(), "kv": str(kv_dtype),
                       "shapes": shapes, **stage1}))

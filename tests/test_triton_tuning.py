@@ -73,13 +73,15 @@ def test_lookup_prefers_the_most_specific_entry():
     assert kernel.target_key(TritonTarget("cuda", "sm80", 108)) == "fallback"
     assert kernel.target_key(TritonTarget("hip", "gfx90a", 104)) == "gfx942"
     assert kernel.target_key(TritonTarget("interpreter", None, 1)) == "interpreter"
-    # H128 bf16 on gfx942 has its own row; H16 bf16 and every fp8 shape do not.
+    # H128 on gfx942 has its own (row-owned) rows per KV kind; H16 S_q 1 takes the default.
     h128 = kernel.default_config(GFX942, num_heads=128, kv_dtype=torch.bfloat16)
     h16 = kernel.default_config(GFX942, num_heads=16, kv_dtype=torch.bfloat16)
+    h16_verify = kernel.default_config(GFX942, num_heads=16, q_len=4, kv_dtype=torch.bfloat16)
     fp8 = kernel.default_config(GFX942, num_heads=128, kv_dtype=torch.float8_e4m3fnuz)
-    assert (h128.block_h, h128.dv_chunks) == (32, 2)
+    assert (h128.block_h, h128.dv_chunks, h128.rows_per_warp) == (64, 2, 16)
     assert h16 == tables.TABLES["gfx942"][("*", "*", "*")].config
-    assert fp8.fp8_qk and fp8.fp8_pv
+    assert h16_verify == h128
+    assert fp8.fp8_qk and fp8.fp8_pv and fp8.rows_per_warp == 16
     # A hip arch without its own table keeps gfx942's shapes, minus XCD remap and kpack.
     other = kernel.default_config(TritonTarget("hip", "gfx90a", 104))
     assert other.num_xcds == 1 and other.kpack is None and other.block_n == h16.block_n
@@ -411,3 +413,60 @@ def test_dot_types_per_target():
     assert math.isclose(
         kernel._dot_types(torch.bfloat16, torch.bfloat16, SM90, cfg)["P_SCALE"], 1.0
     )
+
+
+# ---- AMD row-owned configs: rows_per_warp and the groups they shrink to ----------------------
+
+
+def test_row_owned_groups_pad_the_fewest_rows():
+    config = tables.LaunchConfig(
+        block_h=64, block_n=16, num_warps=4, num_stages=2, dv_chunks=2, rows_per_warp=16
+    )
+    fitted = {
+        rows: (c.block_h, c.num_warps)
+        for rows in (16, 24, 48, 64, 96, 128, 192)
+        for c in [kernel._group_config(config, rows)]
+    }
+    assert fitted == {
+        16: (16, 1),
+        24: (32, 2),
+        48: (16, 1),
+        64: (64, 4),
+        96: (32, 2),
+        128: (64, 4),
+        192: (64, 4),
+    }
+    with pytest.raises(ValueError, match="rows_per_warp"):
+        tables.LaunchConfig(block_h=64, block_n=16, num_warps=2, num_stages=1, rows_per_warp=16)
+
+
+#: Kimi-K3 shapes on MI300X / MI355X (12 heads per rank at TP 8, 24 at TP 4, 96 at TP 1, with
+#: verify windows) and H16 / H128: every row-owned group the planner can pick.
+ROW_OWNED_SHAPES = [(96, 1), (12, 8), (24, 4), (128, 1), (16, 4), (24, 1)]
+
+
+@pytest.mark.parametrize("target", [GFX942, GFX950], ids=lambda t: t.arch)
+@pytest.mark.parametrize(("heads", "q_len"), ROW_OWNED_SHAPES)
+@pytest.mark.parametrize("kind", ["16bit", "fp8"])
+def test_amd_compute_bound_configs_on_the_interpreter(target, heads, q_len, kind):
+    """The planned AMD config of each shape, BLOCK_H/num_warps as fitted, against torch;
+    where the shape has 64 rows or more, every wave owns distinct rows."""
+    fp8 = torch.float8_e4m3fnuz if target.arch == "gfx942" else torch.float8_e4m3fn
+    kv_dtype = fp8 if kind == "fp8" else torch.bfloat16
+    config = kernel.default_config(target, num_heads=heads, q_len=q_len, kv_dtype=kv_dtype)
+    config = kernel._group_config(config, heads * q_len)
+    # gfx950 fp8 keeps the replicated 16-row entry (the row-owned one spills, tuned_configs).
+    if heads * q_len >= 64 and not (target.arch == "gfx950" and kind == "fp8"):
+        assert config.rows_per_warp == 16 and config.block_h == 16 * config.num_warps
+        assert -(-(heads * q_len) // config.block_h) * config.block_h <= 1.15 * heads * q_len
+        assert config.num_stages >= 2
+    if kind == "fp8":
+        q, kv, bt, lens = prepared([37, 5], heads=heads, q_len=q_len, seed=heads)
+        kv8 = (kv.float() / 0.25).to(fp8)
+        out, lse = run_kernel(q, kv8, bt, lens, config=config, splits=2, kv_scale=0.25)
+        assert_fp8_dot_result(out, lse, q, kv8, bt, lens, 0.25, config)
+        return
+    q, kv, bt, lens = prepared([37, 5], heads=heads, q_len=q_len, dtype=torch.float16, seed=heads)
+    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=2)
+    ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
+    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float16])

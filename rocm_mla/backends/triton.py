@@ -124,6 +124,10 @@ class TritonMLAImpl(MLADecodeImpl):
             kv_dtype=spec.kv_dtype,
             max_len=max_seqlen,
             total_len=total_seqlen,
+            q_dtype=spec.q_dtype,
+            head_dim=spec.head_dim,
+            head_dim_v=spec.head_dim_v,
+            page_size=spec.block_size,
         )
 
     def _decode(
@@ -143,4 +147,5 @@ class TritonMLAImpl(MLADecodeImpl):
             kv_scale=problem.kv_scale,
             num_kv_splits=num_kv_splits if self.num_kv_splits is None else self.num_kv_splits,
             config=config,
+            fault_flag=problem.fault_flag,
         )

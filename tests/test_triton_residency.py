@@ -1,0 +1,99 @@
+"""The split choice from the compiled kernel's residency (issue 20: real occupancy, whole waves).
+
+``programs_per_cu`` compiles the planned stage 1 for sm90 / gfx942 / gfx950 (no GPU needed)
+and reads its registers and shared memory / LDS through ``kernels.residency``; the planner
+then sizes the grid in whole waves of ``num_cus x programs_per_cu``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from rocm_mla.kernels import mla_decode as kernel
+from rocm_mla.kernels.residency import resident_programs
+from rocm_mla.kernels.target import TritonTarget
+from rocm_mla.kernels.tuned_configs import LaunchConfig
+
+SM90 = TritonTarget("cuda", "sm90", 132)
+GFX942 = TritonTarget("hip", "gfx942", 304)
+GFX950 = TritonTarget("hip", "gfx950", 256)
+FP8 = {"sm90": torch.float8_e4m3fn, "gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
+CONFIG = LaunchConfig(block_h=16, block_n=32, num_warps=4, num_stages=2)
+
+
+def test_programs_per_cu_is_what_the_compiled_resources_allow(monkeypatch):
+    """Whatever the compiler reports decides the count, through the residency model."""
+    asked = []
+
+    def fake(config, backend, arch, **shape):
+        asked.append((config, backend, arch, shape))
+        return {"regs_per_thread": regs, "smem_bytes": smem}
+
+    monkeypatch.setattr(kernel, "_compiled_stage1_resources", fake)
+    for regs, smem in [(64, 20 << 10), (128, 40 << 10), (255, 100 << 10)]:
+        got = kernel.programs_per_cu(
+            CONFIG, SM90, kv_dtype=torch.bfloat16, num_heads=12, q_len=2, cache_bytes=1 << 32
+        )
+        want = resident_programs("sm90", num_warps=4, regs_per_thread=regs, smem_bytes=smem)
+        assert got == want
+    assert len(asked) == 3  # one compile per call here: the real one is cached
+    config, backend, arch, shape = asked[-1]
+    assert (config, backend, arch) == (CONFIG, "cuda", "sm90")
+    assert shape["num_heads"] == 12 and shape["q_len"] == 2 and shape["large_cache"]
+
+
+def test_the_interpreter_holds_one_program_and_compiles_nothing(monkeypatch):
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled for the interpreter")
+
+    monkeypatch.setattr(kernel, "_compiled_stage1_resources", no_compile)
+    interpreter = TritonTarget("interpreter", None, 1)
+    assert kernel.programs_per_cu(CONFIG, interpreter, kv_dtype=torch.float32) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [SM90, GFX942, GFX950], ids=lambda t: t.arch)
+def test_planned_grids_fill_whole_waves_at_8_requests_of_32k_and_more(target):
+    """At B >= 8 x 32K the stage-1 grid is >= 0.9 of a whole number of waves of resident
+    programs (a partial last or first wave idles the rest of the chip)."""
+    for heads, q_len, kv_dtype in [
+        (16, 1, torch.bfloat16),
+        (128, 1, torch.bfloat16),
+        (12, 1, torch.bfloat16),
+        (16, 1, FP8[target.arch]),
+        (16, 4, torch.bfloat16),
+    ]:
+        for batch in (8, 32, 128):
+            config, splits = kernel.plan_launch(
+                batch=batch,
+                q_len=q_len,
+                num_heads=heads,
+                kv_dtype=kv_dtype,
+                max_len=32768,
+                total_len=batch * 32768,
+                target=target,
+            )
+            slots = target.num_cus * kernel.programs_per_cu(
+                config,
+                target,
+                kv_dtype=kv_dtype,
+                num_heads=heads,
+                q_len=q_len,
+                cache_bytes=batch * 32768 * 576 * kv_dtype.itemsize,
+            )
+            programs = batch * -(-(heads * q_len) // config.block_h) * splits
+            fill = programs / (-(-programs // slots) * slots)
+            assert fill >= 0.9, (target.arch, heads, q_len, kv_dtype, batch, splits, slots)
+
+
+@pytest.mark.slow
+def test_compiled_residency_of_the_tuned_configs():
+    """Facts of the compiled code (Triton 3.9): the 64-row sm90 bf16 config takes 216 KB of
+    shared memory (one per SM); the gfx942 16-row config fits two per CU."""
+    big = kernel._group_config(kernel.default_config(SM90, num_heads=128), 128)
+    assert kernel.programs_per_cu(big, SM90, kv_dtype=torch.bfloat16, num_heads=128) == 1
+    small = kernel._group_config(kernel.default_config(GFX942, num_heads=16), 16)
+    assert kernel.programs_per_cu(small, GFX942, kv_dtype=torch.bfloat16, num_heads=16) == 2
