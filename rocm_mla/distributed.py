@@ -887,7 +887,14 @@ def _collect(procs: Sequence[mp.Process], results: Any, deadline: float, timeout
     if len(outputs) == nprocs:
         return outputs
     # Ranks blocked in a collective with a failed peer fail too, and may report first. A rank
-    # that raised always reports before it exits, so one that died silently is the cause.
+    # that raised always reports before it exits, so one that died silently is the cause;
+    # its peers' reports can beat its death to us, so give a death a moment to show.
+    if errors and not silent_deaths():
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and not silent_deaths():
+            _drain(results, outputs, errors, timeout=0.1)
+        if silent_deaths():
+            _drain(results, outputs, errors, timeout=1.0)  # a report sent just before it
     dead = silent_deaths()
     if dead:
         rank = dead[0]
