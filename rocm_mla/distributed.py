@@ -22,25 +22,33 @@ Multi-node, with ``torchrun`` (it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
 Faults never hang: ``launch`` reports the first rank that raised or died (naming it, with
 its traceback) and terminates the others; collectives time out after ``timeout_s``.
 
-Rendezvous: ``init_parallel`` on ``env://`` hosts rank 0's TCP store on ``$MASTER_ADDR``
-only (``launch`` and ``LLM`` use 127.0.0.1), never on every interface; torchrun's own agent
-store is left as torchrun made it.
+Rendezvous: single-node groups (``launch``, ``LLM``) meet through ``StoreServer``, a store
+the launching process serves on 127.0.0.1 to clients that presented a one-time token only,
+and that stops listening once every rank joined; their gloo and NCCL/RCCL sockets are pinned
+to loopback (``pin_to_loopback``). ``init_parallel`` on ``env://`` (torchrun, multi-node)
+hosts rank 0's TCP store on ``$MASTER_ADDR`` only, never on every interface; torchrun's own
+agent store is left as torchrun made it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import datetime
+import hmac
 import os
 import pickle
 import queue
+import secrets
 import signal
 import socket
+import struct
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -50,13 +58,19 @@ import torch.multiprocessing as mp
 __all__ = [
     "ParallelLayout",
     "ParallelState",
+    "StoreServer",
+    "TokenListener",
+    "TokenStore",
     "WorkerError",
     "backend_for",
+    "connect_store",
     "default_backend",
     "destroy_parallel",
     "free_port",
     "init_parallel",
     "launch",
+    "pin_to_loopback",
+    "token_connect",
 ]
 
 #: Seconds a collective (and a whole ``launch``) may take before it fails instead of hanging.
@@ -190,10 +204,12 @@ def backend_for(nprocs: int, backend: str | None = None, *, who: str = "launch")
     return backend
 
 
-def pin_gloo_to_loopback(env: MutableMapping[str, str]) -> None:
-    """Single node: gloo's pair sockets on the loopback interface, not the host's address."""
+def pin_to_loopback(env: MutableMapping[str, str]) -> None:
+    """Single node: gloo's pair sockets and NCCL's (RCCL's) bootstrap and socket transport on
+    the loopback interface, not on the host's address; a value the user set is kept."""
     if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
 
 
 def _bound_store(addr: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -319,6 +335,351 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
+# ---- private single-node rendezvous -------------------------------------------------------
+#
+# torch's TCPStore serves every key to whoever connects (it has no authentication), so a
+# local stranger could list, read, overwrite and delete the rendezvous keys. Single-node
+# groups (``launch``, ``LLM``) use ``StoreServer`` instead: a thread of the launching process
+# that serves the keys only on connections that first presented a one-time token, and that
+# stops listening as soon as every rank has joined.
+
+#: Bytes of the one-time rendezvous token (``secrets.token_bytes``).
+TOKEN_BYTES = 32
+#: Seconds a new connection gets to present its token before it is dropped. Connections are
+#: read side by side, so a silent one delays no other; this only bounds what it holds.
+HANDSHAKE_TIMEOUT_S = 10.0
+#: Connections still presenting their token, at most; past it the oldest is dropped (a real
+#: rank sends its token the moment it connects, so the oldest is the likeliest stray).
+MAX_PENDING_CONNECTIONS = 64
+#: Purpose bytes: which listener a client meant (an engine has a control and a store one).
+STORE_PURPOSE = b"S"
+
+_RANK = struct.Struct("!I")
+
+
+class TokenListener:
+    """A socket listening on 127.0.0.1 whose connections count once they present the token.
+
+    A client's first bytes are ``token + purpose + rank`` (``token_connect``). ``step()``
+    never blocks: it accepts what is waiting, reads what pending connections sent, and
+    returns ``(rank, Connection)`` for each that presented the token and purpose with a new
+    rank in ``[0, world)``. Every other connection is closed after at most those few bytes:
+    nothing a stranger sends is unpickled, and a silent one is dropped after
+    ``HANDSHAKE_TIMEOUT_S`` without holding up the rest.
+    """
+
+    def __init__(self, token: bytes, world: int, purpose: bytes) -> None:
+        if len(token) != TOKEN_BYTES or len(purpose) != 1:
+            raise ValueError(
+                f"TokenListener: expected a {TOKEN_BYTES}-byte token and a 1-byte purpose, "
+                f"got {len(token)} and {len(purpose)} bytes"
+            )
+        self._sock: socket.socket | None = socket.create_server(
+            ("127.0.0.1", 0), backlog=max(128, world)
+        )
+        self._sock.setblocking(False)
+        self.port: int = self._sock.getsockname()[1]
+        self._expected = token + purpose
+        self._hello_size = len(self._expected) + _RANK.size
+        self._world = world
+        self._joined: set[int] = set()
+        # Insertion-ordered: the first entry is the oldest pending connection.
+        self._pending: dict[socket.socket, tuple[float, bytearray]] = {}
+
+    def waitables(self) -> list[socket.socket]:
+        """What to ``multiprocessing.connection.wait`` on before the next ``step``."""
+        return [] if self._sock is None else [self._sock, *self._pending]
+
+    def step(self) -> list[tuple[int, Connection]]:
+        if self._sock is None:
+            return []
+        now = time.monotonic()
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            sock.setblocking(False)
+            self._pending[sock] = (now + HANDSHAKE_TIMEOUT_S, bytearray())
+            if len(self._pending) > MAX_PENDING_CONNECTIONS:
+                self._drop(next(iter(self._pending)))
+        joined = []
+        for sock, (deadline, hello) in list(self._pending.items()):
+            try:
+                chunk = sock.recv(self._hello_size - len(hello))
+            except (BlockingIOError, InterruptedError):
+                if now > deadline:
+                    self._drop(sock)
+                continue
+            except OSError:
+                self._drop(sock)
+                continue
+            if not chunk:
+                self._drop(sock)
+                continue
+            hello += chunk
+            if len(hello) < self._hello_size:
+                continue
+            del self._pending[sock]
+            rank = self._rank_of(bytes(hello))
+            if rank is None:
+                sock.close()
+                continue
+            self._joined.add(rank)
+            sock.setblocking(True)
+            joined.append((rank, Connection(sock.detach())))
+        return joined
+
+    def _rank_of(self, hello: bytes) -> int | None:
+        head = len(self._expected)
+        if not hmac.compare_digest(hello[:head], self._expected):
+            return None
+        (rank,) = _RANK.unpack(hello[head:])
+        if rank >= self._world or rank in self._joined:
+            return None
+        return rank
+
+    def _drop(self, sock: socket.socket) -> None:
+        del self._pending[sock]
+        sock.close()
+
+    def close(self) -> None:
+        """Stop listening and drop every pending connection (idempotent)."""
+        for sock in list(self._pending):
+            self._drop(sock)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def token_connect(
+    port: int, token: bytes, purpose: bytes, rank: int, timeout_s: float = 60.0
+) -> Connection:
+    """A connection to the ``TokenListener`` on 127.0.0.1:``port``, token presented."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    sock.sendall(token + purpose + _RANK.pack(rank))
+    sock.settimeout(None)
+    return Connection(sock.detach())
+
+
+class StoreServer:
+    """The rendezvous keys of ``world`` local ranks, served by a thread of this process.
+
+    Only clients that presented ``token`` (``connect_store``) are served; once ``world`` of
+    them joined the listening socket is closed, so nothing else can even connect. The keys
+    live here as long as the server does (NCCL creates its communicators, through the store,
+    at a group's first collective). Semantics follow torch's TCPStore: ``add`` keeps a
+    decimal count, ``get``/``wait`` block until the keys exist or their timeout passes.
+    """
+
+    def __init__(self, token: bytes, world: int) -> None:
+        self._listener: TokenListener | None = TokenListener(token, world, STORE_PURPOSE)
+        self.port = self._listener.port
+        self._world = world
+        self._conns: list[Connection] = []
+        self._data: dict[str, bytes] = {}
+        self._joined = 0
+        # (connection, keys, deadline, "get" | "multi_get" | "wait") of each blocked request.
+        self._blocked: list[tuple[Connection, list[str], float, str]] = []
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="rocm-mla-store", daemon=True)
+        self._thread.start()
+
+    @property
+    def listening(self) -> bool:
+        return self._listener is not None
+
+    def close(self) -> None:
+        """Stop serving and close every connection (idempotent, bounded)."""
+        self._closing.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    def _serve(self) -> None:
+        try:
+            while not self._closing.is_set():
+                waitables = [*self._conns]
+                if self._listener is not None:
+                    waitables += self._listener.waitables()
+                ready = wait(waitables, timeout=0.1)
+                if self._listener is not None:
+                    joined = [conn for _, conn in self._listener.step()]
+                    self._conns += joined
+                    self._joined += len(joined)
+                    if self._joined == self._world:
+                        self._listener.close()
+                        self._listener = None
+                for conn in ready:
+                    if isinstance(conn, Connection) and conn in self._conns:
+                        self._serve_one(conn)
+                self._expire()
+        finally:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            for conn in self._conns:
+                conn.close()
+            self._conns = []
+
+    def _serve_one(self, conn: Connection) -> None:
+        try:
+            op, *args = conn.recv()
+        except (EOFError, OSError, ValueError, TypeError):
+            self._forget(conn)
+            return
+        if op in ("get", "multi_get", "wait"):
+            keys = [args[0]] if op == "get" else list(args[0])
+            self._blocked.append((conn, keys, time.monotonic() + args[1], op))
+            self._release()
+            return
+        try:
+            reply = self._apply(op, args)
+        except (TypeError, ValueError, IndexError) as err:
+            # A malformed request fails that request, never the thread serving every rank.
+            reply = ("error", f"rendezvous store: bad {op!r} request ({err})")
+        self._reply(conn, reply)
+        self._release()
+
+    def _apply(self, op: str, args: list) -> tuple:
+        data = self._data
+        if op == "set":
+            data[args[0]] = args[1]
+        elif op == "add":
+            value = int(data.get(args[0], b"0")) + args[1]
+            data[args[0]] = str(value).encode()
+            return ("ok", value)
+        elif op == "compare_set":
+            key, expected, desired = args
+            current = data.get(key)
+            if (current is None and expected == b"") or current == expected:
+                data[key] = desired
+                return ("ok", desired)
+            return ("ok", expected if current is None else current)
+        elif op == "append":
+            data[args[0]] = data.get(args[0], b"") + args[1]
+        elif op == "multi_set":
+            data.update(zip(args[0], args[1], strict=True))
+        elif op == "check":
+            return ("ok", all(key in data for key in args[0]))
+        elif op == "delete_key":
+            return ("ok", data.pop(args[0], None) is not None)
+        elif op == "num_keys":
+            return ("ok", len(data))
+        else:
+            return ("error", f"rendezvous store: unknown operation {op!r}")
+        return ("ok", None)
+
+    def _release(self) -> None:
+        """Answer every blocked get/wait whose keys all exist now."""
+        waiting, self._blocked = self._blocked, []
+        for conn, keys, deadline, op in waiting:
+            if not all(key in self._data for key in keys):
+                self._blocked.append((conn, keys, deadline, op))
+                continue
+            values = [self._data[key] for key in keys]
+            self._reply(conn, ("ok", {"get": values[0], "multi_get": values}.get(op)))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        waiting, self._blocked = self._blocked, []
+        for conn, keys, deadline, op in waiting:
+            if deadline >= now:
+                self._blocked.append((conn, keys, deadline, op))
+                continue
+            missing = [key for key in keys if key not in self._data]
+            self._reply(conn, ("timeout", f"rendezvous store: keys {missing} were not set in time"))
+
+    def _reply(self, conn: Connection, reply: tuple) -> None:
+        try:
+            conn.send(reply)
+        except OSError:
+            self._forget(conn)
+
+    def _forget(self, conn: Connection) -> None:
+        self._blocked = [entry for entry in self._blocked if entry[0] is not conn]
+        if conn in self._conns:
+            self._conns.remove(conn)
+        conn.close()
+
+
+def _store_bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _seconds(timeout: Any, default: float) -> float:
+    if timeout is None:
+        return default
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+class TokenStore(dist.Store):
+    """A ``torch.distributed`` store whose keys live in a ``StoreServer``; a rank gets one
+    from ``connect_store``. Safe to share between threads (one request at a time)."""
+
+    def __init__(self, conn: Connection, timeout_s: float) -> None:
+        super().__init__()
+        self._conn = conn
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+
+    def _ask(self, *request: Any) -> Any:
+        with self._lock:
+            try:
+                self._conn.send(request)
+                status, value = self._conn.recv()
+            except (EOFError, OSError) as err:
+                raise dist.DistStoreError(
+                    "rendezvous store: the launching process closed the connection (it "
+                    "stopped, or this rank was stopped)"
+                ) from err
+        if status != "ok":
+            raise dist.DistStoreError(value)
+        return value
+
+    def set(self, key: str, value: Any) -> None:
+        self._ask("set", key, _store_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self._ask("get", key, self._timeout_s)
+
+    def add(self, key: str, value: int) -> int:
+        return self._ask("add", key, int(value))
+
+    def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+        return self._ask(
+            "compare_set", key, _store_bytes(expected_value), _store_bytes(desired_value)
+        )
+
+    def append(self, key: str, value: Any) -> None:
+        self._ask("append", key, _store_bytes(value))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._ask("multi_get", list(keys), self._timeout_s)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._ask("multi_set", list(keys), [_store_bytes(v) for v in values])
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        self._ask("wait", list(keys), _seconds(timeout, self._timeout_s))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._ask("check", list(keys))
+
+    def delete_key(self, key: str) -> bool:
+        return self._ask("delete_key", key)
+
+    def num_keys(self) -> int:
+        return self._ask("num_keys")
+
+
+def connect_store(port: int, token: bytes, rank: int, timeout_s: float) -> TokenStore:
+    """Rank ``rank``'s client of the ``StoreServer`` on 127.0.0.1:``port``; ``get`` and
+    ``wait`` give up after ``timeout_s``."""
+    return TokenStore(token_connect(port, token, STORE_PURPOSE, rank), timeout_s)
+
+
 # ---- launcher -----------------------------------------------------------------------------
 
 
@@ -359,7 +720,8 @@ def _worker(
     parent_pid: int,
     rank: int,
     nprocs: int,
-    port: int,
+    store_port: int,
+    token: bytes,
     layout: ParallelLayout,
     backend: str,
     timeout_s: float,
@@ -372,20 +734,19 @@ def _worker(
     # A terminal's Ctrl-C reaches every process of its group: the launcher alone handles it
     # (and terminates the ranks), so N tracebacks are not printed over each other.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    pin_gloo_to_loopback(os.environ)
+    pin_to_loopback(os.environ)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(nprocs),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(nprocs),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
     )
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
     try:
+        store = connect_store(store_port, token, rank, timeout_s)
         state = init_parallel(
-            layout.pp, layout.tp, layout.dcp, backend=backend, timeout_s=timeout_s
+            layout.pp, layout.tp, layout.dcp, backend=backend, timeout_s=timeout_s, store=store
         )
         value = fn(state, *args)
         # Pickled here, by value: tensors sent through the queue as such would travel as
@@ -424,10 +785,10 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(state, *args)`` on ``nprocs`` local processes; return its results by rank.
 
-    Each process is spawned (fresh interpreter), joins a process group on a free local port
-    and gets a ``ParallelState`` for the layout ``pp x tp`` (``tp`` defaults to
-    ``nprocs // pp``) with DCP groups of ``dcp``. ``fn`` must be importable (module level)
-    and its return value picklable.
+    Each process is spawned (fresh interpreter), joins a process group through a private
+    ``StoreServer`` of this process and gets a ``ParallelState`` for the layout ``pp x tp``
+    (``tp`` defaults to ``nprocs // pp``) with DCP groups of ``dcp``. ``fn`` must be
+    importable (module level) and its return value picklable.
 
     Args:
         backend: ``"gloo"`` or ``"nccl"``; None: nccl when torch sees a GPU per rank, else
@@ -447,7 +808,9 @@ def launch(
         torch_threads = max(1, (os.cpu_count() or 1) // nprocs)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The token reaches each rank inside its spawn arguments, through a pipe of its own.
+    token = secrets.token_bytes(TOKEN_BYTES)
+    store = StoreServer(token, nprocs)
     procs = [
         ctx.Process(
             target=_worker,
@@ -455,7 +818,8 @@ def launch(
                 os.getpid(),
                 rank,
                 nprocs,
-                port,
+                store.port,
+                token,
                 layout,
                 backend,
                 timeout_s,
@@ -474,6 +838,7 @@ def launch(
         outputs = _collect(procs, results, time.monotonic() + timeout_s, timeout_s)
     finally:
         _stop(procs)
+        store.close()
         results.close()
         results.join_thread()
     return [outputs[r] for r in range(nprocs)]
@@ -522,7 +887,14 @@ def _collect(procs: Sequence[mp.Process], results: Any, deadline: float, timeout
     if len(outputs) == nprocs:
         return outputs
     # Ranks blocked in a collective with a failed peer fail too, and may report first. A rank
-    # that raised always reports before it exits, so one that died silently is the cause.
+    # that raised always reports before it exits, so one that died silently is the cause;
+    # its peers' reports can beat its death to us, so give a death a moment to show.
+    if errors and not silent_deaths():
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and not silent_deaths():
+            _drain(results, outputs, errors, timeout=0.1)
+        if silent_deaths():
+            _drain(results, outputs, errors, timeout=1.0)  # a report sent just before it
     dead = silent_deaths()
     if dead:
         rank = dead[0]

@@ -96,6 +96,15 @@ def die_on_rank_1(state: ParallelState) -> None:
     dist.barrier()
 
 
+def break_then_die_on_rank_1(state: ParallelState) -> None:
+    if state.rank == 1:
+        # Its sockets close first, so rank 0's barrier fails and reports before this death.
+        dist.destroy_process_group()
+        time.sleep(0.3)
+        os._exit(7)
+    dist.barrier()
+
+
 def hang_on_rank_0(state: ParallelState) -> None:
     if state.rank == 0:
         time.sleep(3600)
@@ -107,6 +116,14 @@ def test_rank_that_dies_is_named_and_no_worker_survives():
         launch(die_on_rank_1, 2, backend="gloo", timeout_s=150)
     assert time.monotonic() - start < 60
     assert info.value.rank == 1
+    assert "rank 1 of 2 died with exit code 7" in str(info.value)
+    assert spawned_children() == []
+
+
+def test_a_death_shortly_after_the_peers_reports_is_still_the_cause():
+    with pytest.raises(WorkerError) as info:
+        launch(break_then_die_on_rank_1, 2, backend="gloo", timeout_s=150)
+    assert info.value.rank == 1, str(info.value)
     assert "rank 1 of 2 died with exit code 7" in str(info.value)
     assert spawned_children() == []
 

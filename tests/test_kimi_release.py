@@ -135,7 +135,13 @@ def test_two_dimensional_short_conv_weights_load_the_same(tmp_path):
             meta = contiguous_metadata([0], [5], 4, 8)
             return model(meta, model.make_caches(8, 4, 1), input_ids=ids)
 
-    assert torch.equal(logits(load_model(dst)), logits(load_model(src)))
+    two_d, three_d = load_model(dst), load_model(src)
+    for name, tensor in three_d.state_dict().items():
+        assert torch.equal(two_d.state_dict()[name], tensor), name
+    # Bit-equal weights, but the smaller tensors move every offset in the mapped file, and
+    # the BLAS may take another path for another alignment: logits agree to rounding.
+    ref = logits(three_d)
+    assert (logits(two_d) - ref).abs().max() <= 1e-5 * ref.abs().max()
 
     def run_tp(path):
         def noop(x):

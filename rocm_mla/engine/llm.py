@@ -3,9 +3,10 @@
 ``pp * tp == 1`` runs in this process. Otherwise ``LLM`` starts ``pp * tp`` long-lived
 worker processes as ``python -m rocm_mla.engine.worker`` (fresh interpreters that never
 import the caller's ``__main__``: scripts without a main guard, stdin, the REPL and notebooks
-all work). They join a process group through a rendezvous store this process hosts on
-127.0.0.1, and take each call over an authenticated loopback connection; workers are never
-re-spawned per call.
+all work). They join a process group through a rendezvous store this process serves on
+127.0.0.1 to holders of a one-time token only (``rocm_mla.distributed.StoreServer``), and
+take each call over a loopback connection authenticated by the same token; once every
+worker joined, this process listens on no socket. Workers are never re-spawned per call.
 
 Faults end in bounded time: a worker that raises or dies makes the call raise ``WorkerError``
 naming the rank (its traceback, or the tail of its stderr); a rank that stops sending
@@ -32,14 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
-import hmac
 import operator
 import os
 import pickle
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,20 +49,28 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from rocm_mla.backends import ENV_VAR, backend_class, requested_backend
 from rocm_mla.dcp import check_block_size
 from rocm_mla.distributed import (
+    TOKEN_BYTES,
     ParallelLayout,
+    StoreServer,
+    TokenListener,
     WorkerError,
     backend_for,
     destroy_parallel,
     init_parallel,
-    pin_gloo_to_loopback,
+    pin_to_loopback,
 )
 from rocm_mla.engine.cache import CacheFullError, resolve_cache_dtype
-from rocm_mla.engine.worker import HEARTBEAT_S, EngineOptions, StageWorker, WorkerSpec
+from rocm_mla.engine.worker import (
+    CONTROL_PURPOSE,
+    HEARTBEAT_S,
+    EngineOptions,
+    StageWorker,
+    WorkerSpec,
+)
 from rocm_mla.models.kimi_k3 import KimiK3Config
 from rocm_mla.models.kimi_k3.limits import check_memory
 
@@ -439,37 +445,34 @@ class WorkerGroup:
         self._stopped = False
         self._ready = False
         self._handles_closed = False
-        self._store = None
-        server = socket.create_server(("127.0.0.1", 0))
+        self._store: StoreServer | None = None
+        token = secrets.token_bytes(TOKEN_BYTES)
+        control = TokenListener(token, self.world, CONTROL_PURPOSE)
         try:
-            self._start(path, options, backend, server)
+            self._start(path, options, backend, control, token)
         except BaseException:
             self.stop()
             raise
         finally:
-            server.close()
+            control.close()
 
     # ---- start --------------------------------------------------------------------------
 
-    def _start(self, path: str, options: EngineOptions, backend: str, server) -> None:
-        store_sock = socket.create_server(("127.0.0.1", 0), backlog=max(128, self.world))
-        store_port = store_sock.getsockname()[1]
-        # Hosted here, bound to loopback only: torch's own store server listens everywhere.
-        self._store = dist.TCPStore(
-            "127.0.0.1",
-            store_port,
-            self.world,
-            True,
-            datetime.timedelta(seconds=WORKER_TIMEOUT_S),
-            wait_for_workers=False,
-            master_listen_fd=store_sock.detach(),
-        )
-        token = secrets.token_bytes(32)
+    def _start(
+        self,
+        path: str,
+        options: EngineOptions,
+        backend: str,
+        control: TokenListener,
+        token: bytes,
+    ) -> None:
+        # The rendezvous keys, served here to token holders only (see StoreServer).
+        self._store = StoreServer(token, self.world)
         env = dict(os.environ)
         # The workers import this very package, wherever the caller found it.
         root = str(Path(__file__).resolve().parents[2])  # the folder holding rocm_mla/
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        pin_gloo_to_loopback(env)
+        pin_to_loopback(env)
         threads = None
         if backend == "gloo":
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: no GPU contexts behind the user's back
@@ -480,8 +483,8 @@ class WorkerGroup:
                 path=path,
                 options=options,
                 backend=backend,
-                control_port=server.getsockname()[1],
-                store_port=store_port,
+                control_port=control.port,
+                store_port=self._store.port,
                 token=token,
                 parent_pid=os.getpid(),
                 torch_threads=threads,
@@ -509,12 +512,11 @@ class WorkerGroup:
                 pass  # it died at once; _accept reports how
         self.pids = [proc.pid for proc in self.procs]
         deadline = time.monotonic() + START_TIMEOUT_S
-        self._accept(server, token, deadline)
+        self._accept(control, deadline)
         self._gather("ready", deadline, heartbeat_timeout_s=START_HEARTBEAT_TIMEOUT_S)
         self._ready = True
 
-    def _accept(self, server: socket.socket, token: bytes, deadline: float) -> None:
-        server.settimeout(0.2)
+    def _accept(self, control: TokenListener, deadline: float) -> None:
         while len(self.conns) < self.world:
             for rank, proc in enumerate(self.procs):
                 if rank not in self.conns and proc.poll() is not None:
@@ -527,22 +529,10 @@ class WorkerGroup:
                     f"{START_TIMEOUT_S:.0f} s; its output ends with:\n"
                     f"{_stderr_tail(self.logs[rank])}",
                 )
-            try:
-                sock, _ = server.accept()
-            except TimeoutError:
-                continue
-            sock.setblocking(True)
-            conn = Connection(sock.detach())
-            # Authenticate on raw bytes before unpickling anything a stranger could send.
-            try:
-                ok = conn.poll(5.0) and hmac.compare_digest(conn.recv_bytes(64), token)
-                hello = conn.recv() if ok and conn.poll(5.0) else None
-            except (OSError, EOFError):
-                hello = None
-            if not (isinstance(hello, tuple) and len(hello) == 3 and hello[0] == "hello"):
-                conn.close()
-                continue
-            self.conns[hello[1]] = conn
+            # Strangers' connections are read side by side with the workers' and dropped
+            # unread; they delay no worker (TokenListener).
+            wait(control.waitables(), timeout=0.2)
+            self.conns.update(control.step())
 
     def _died(self, rank: int, when: str) -> WorkerError:
         proc = self.procs[rank]
@@ -713,7 +703,8 @@ class WorkerGroup:
             conn.close()
         for log in self.logs:
             log.close()
-        self._store = None
+        if self._store is not None:
+            self._store.close()
 
 
 class LLM:

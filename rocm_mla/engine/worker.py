@@ -18,11 +18,9 @@ itself (``LLM(..., launcher="torchrun")``).
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
@@ -35,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rocm_mla.distributed import ParallelState, init_parallel
+from rocm_mla.distributed import ParallelState, connect_store, init_parallel, token_connect
 from rocm_mla.engine.cache import CacheFullError, resolve_cache_dtype
 from rocm_mla.engine.graphs import DecodeGraphs
 from rocm_mla.engine.runner import DecodeAttention, Request, Runner
@@ -342,6 +340,8 @@ class WorkerSpec:
     collective_timeout_s: float
 
 
+#: Purpose byte of a worker's control connection to the parent (``TokenListener``).
+CONTROL_PURPOSE = b"C"
 #: Seconds between a busy worker's heartbeats; the parent names a rank whose heartbeats stop.
 HEARTBEAT_S = 1.0
 #: Seconds between progress messages of the sampler (the parent throttles what it prints).
@@ -378,13 +378,7 @@ class ParentLink:
 def _run(spec: WorkerSpec, link: ParentLink) -> None:
     """Join the group, load, report ready, then serve commands until "stop" or EOF."""
     options = spec.options
-    store = dist.TCPStore(
-        "127.0.0.1",
-        spec.store_port,
-        options.pp * options.tp,
-        False,
-        datetime.timedelta(seconds=spec.collective_timeout_s),
-    )
+    store = connect_store(spec.store_port, spec.token, spec.rank, spec.collective_timeout_s)
     link.busy.set()
     state = init_parallel(
         options.pp,
@@ -448,12 +442,8 @@ def main() -> None:
     if spec.torch_threads is not None:
         torch.set_num_threads(spec.torch_threads)
     torch.set_grad_enabled(False)
-    sock = socket.create_connection(("127.0.0.1", spec.control_port), timeout=60.0)
-    sock.settimeout(None)
-    conn = Connection(sock.detach())
-    conn.send_bytes(spec.token)
+    conn = token_connect(spec.control_port, spec.token, CONTROL_PURPOSE, spec.rank)
     link = ParentLink(conn, spec.parent_pid)
-    link.send(("hello", spec.rank, os.getpid()))
     try:
         _run(spec, link)
     except BaseException:
