@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 		test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV); \
 		$(PY) -m pip install --quiet --upgrade pip; \
 		$(PY) -m pip install --quiet --no-deps -e .; \
-		$(PY) -m pip install --quiet numpy safetensors "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "transformers>=5.0" "pyyaml>=6"; \
+		$(PY) -m pip install --quiet numpy safetensors "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "transformers>=5.0" "pyyaml>=6" matplotlib; \
 	else \
 		test -x $(PY) || $(PYTHON) -m venv $(VENV); \
 		$(PY) -m pip install --quiet --upgrade pip; \
