@@ -712,13 +712,17 @@ def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
     Fewer rows than BLOCK_H: BLOCK_H shrinks to the next power of two (at least 16, the
     smallest M a GPU dot takes; padded rows are masked). With ``rows_per_warp`` BLOCK_H and
     num_warps shrink together to the BLOCK_H that pads the fewest rows (ties: the larger),
-    e.g. 96 rows run as three 32-row groups of 2 waves rather than two 64-row groups.
+    e.g. 96 rows run as three 32-row groups of 2 waves rather than two 64-row groups; at
+    least two waves.
     """
     if config.rows_per_warp is None:
         return replace(config, block_h=max(16, min(config.block_h, triton.next_power_of_2(rows))))
     best = config.block_h
     block_h = config.block_h
-    while block_h >= config.rows_per_warp:
+    # Never a single wave: a one-wave group (16 rows) of a causal verify window spills VGPRs
+    # on gfx942/gfx950 in Triton 3.9 (H12 S_q 4, H24 S_q 2), and under 64 rows padding costs
+    # no compute-bound issue slots.
+    while block_h >= 2 * config.rows_per_warp:
         if triton.cdiv(rows, block_h) * block_h < triton.cdiv(rows, best) * best:
             best = block_h
         block_h //= 2

@@ -81,7 +81,8 @@ def test_lookup_prefers_the_most_specific_entry():
     assert (h128.block_h, h128.dv_chunks, h128.rows_per_warp) == (64, 2, 16)
     assert h16 == tables.TABLES["gfx942"][("*", "*", "*")].config
     assert h16_verify == h128
-    assert fp8.fp8_qk and fp8.fp8_pv and fp8.rows_per_warp == 16
+    # fp8 keeps the general (replicated) entry: its row-owned groups spill (tuned_configs).
+    assert fp8.fp8_qk and fp8.fp8_pv and fp8.rows_per_warp is None
     # A hip arch without its own table keeps gfx942's shapes, minus XCD remap and kpack.
     other = kernel.default_config(TritonTarget("hip", "gfx90a", 104))
     assert other.num_xcds == 1 and other.kpack is None and other.block_n == h16.block_n
@@ -428,9 +429,9 @@ def test_row_owned_groups_pad_the_fewest_rows():
         for c in [kernel._group_config(config, rows)]
     }
     assert fitted == {
-        16: (16, 1),
+        16: (32, 2),
         24: (32, 2),
-        48: (16, 1),
+        48: (64, 4),
         64: (64, 4),
         96: (32, 2),
         128: (64, 4),
@@ -455,8 +456,8 @@ def test_amd_compute_bound_configs_on_the_interpreter(target, heads, q_len, kind
     kv_dtype = fp8 if kind == "fp8" else torch.bfloat16
     config = kernel.default_config(target, num_heads=heads, q_len=q_len, kv_dtype=kv_dtype)
     config = kernel._group_config(config, heads * q_len)
-    # gfx950 fp8 keeps the replicated 16-row entry (the row-owned one spills, tuned_configs).
-    if heads * q_len >= 64 and not (target.arch == "gfx950" and kind == "fp8"):
+    # fp8 keeps the replicated 16-row entry (the row-owned ones spill, tuned_configs).
+    if heads * q_len >= 64 and kind != "fp8":
         assert config.rows_per_warp == 16 and config.block_h == 16 * config.num_warps
         assert -(-(heads * q_len) // config.block_h) * config.block_h <= 1.15 * heads * q_len
         assert config.num_stages >= 2
