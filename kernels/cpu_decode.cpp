@@ -1,0 +1,227 @@
+// Fused paged MLA decode for the CPU: one pass over each request's keys, every KV row
+// converted to fp32 once per chunk and used by all heads of a task (scores, then the V
+// accumulate) with an online softmax. Bounds and non-finite rules: see cpu_decode.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Keys converted per step: 8 rows of fp32 (18 KiB at 576 wide) stay in L1 next to the
+// accumulators.
+constexpr int64_t kChunk = 8;
+// Independent partial sums: lets the compiler vectorize the dot product without fast-math.
+constexpr int kLanes = 16;
+
+constexpr int32_t kFaultBlockId = 1;
+constexpr int32_t kFaultBeyondTable = 2;
+constexpr int32_t kFaultBeyondPlan = 4;
+
+template <typename T>
+struct Convert {
+  static inline void row(const T* src, float* dst, int64_t n, const float*) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+};
+
+template <>
+struct Convert<uint8_t> {  // fp8: the bytes index a 256-entry dequant table
+  static inline void row(const uint8_t* src, float* dst, int64_t n, const float* table) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = table[src[i]];
+  }
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float part[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) part[l] += a[i + l] * b[i + l];
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int l = 0; l < kLanes; ++l) s += part[l];
+  return s;
+}
+
+// 0 * x is NaN exactly when x is not finite.
+inline bool all_finite(const float* a, int64_t n) {
+  float part[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) part[l] += a[i + l] * 0.f;
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i] * 0.f;
+  for (int l = 0; l < kLanes; ++l) s += part[l];
+  return s == 0.f;
+}
+
+struct Args {
+  const float* q;  // [B, S_q, H, D], pre-scaled by softmax_scale * kv_scale
+  const int32_t* table;
+  const int32_t* lens;
+  float* out;  // [B, S_q, H, Dv]
+  float* lse;  // [B, S_q, H]
+  int32_t* fault;  // [1] or null
+  const float* fp8_table;
+  int64_t batch, q_len, heads, dim, dv, block_size, num_blocks, max_blocks;
+  int64_t stride_block, stride_slot;
+  int64_t plan_max;  // -1: no plan
+  int64_t group;  // heads per task
+  bool causal;
+  float v_scale;
+};
+
+template <typename T>
+void run_task(const Args& a, const T* kv, int64_t task, std::vector<float>& kbuf,
+              std::vector<float>& acc, std::vector<float>& scores) {
+  const int64_t groups = (a.heads + a.group - 1) / a.group;
+  const int64_t row = task / groups;  // b * q_len + s
+  const int64_t h0 = (task % groups) * a.group;
+  const int64_t g = std::min(a.group, a.heads - h0);
+  const int64_t b = row / a.q_len, s = row % a.q_len;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  float* out = a.out + (row * a.heads + h0) * a.dv;
+  float* lse = a.lse + row * a.heads + h0;
+
+  const int64_t len = a.lens[b];
+  const int64_t visible = a.causal ? len - (a.q_len - 1) + s : len;
+  if (visible <= 0) {
+    std::fill(out, out + g * a.dv, 0.f);
+    std::fill(lse, lse + g, -inf);
+    return;
+  }
+  // Bounds before any read: every column this row needs must exist and hold a real block.
+  const int32_t* table = a.table + b * a.max_blocks;
+  const int64_t cols = (visible + a.block_size - 1) / a.block_size;
+  int32_t bits = 0;
+  if (cols > a.max_blocks) bits |= kFaultBeyondTable;
+  if (a.plan_max >= 0 && visible > a.plan_max) bits |= kFaultBeyondPlan;
+  for (int64_t c = 0, n = std::min(cols, a.max_blocks); c < n; ++c)
+    if (table[c] < 0 || table[c] >= a.num_blocks) {
+      bits |= kFaultBlockId;
+      break;
+    }
+  // A non-finite query poisons every head of its row, not only the heads of this task.
+  bool poisoned = bits != 0 || !all_finite(a.q + row * a.heads * a.dim, a.heads * a.dim);
+  const float* q = a.q + (row * a.heads + h0) * a.dim;
+  if (bits != 0 && a.fault != nullptr && h0 == 0) __atomic_fetch_or(a.fault, bits, __ATOMIC_RELAXED);
+
+  float* m = scores.data() + g * kChunk;  // running max per head
+  float* l = m + g;  // running denominator per head
+  std::fill(acc.begin(), acc.begin() + g * a.dv, 0.f);
+  std::fill(m, m + g, -inf);
+  std::fill(l, l + g, 0.f);
+  for (int64_t t0 = 0; t0 < visible && !poisoned; t0 += kChunk) {
+    const int64_t n = std::min(kChunk, visible - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = t0 + j;
+      const T* src = kv + table[t / a.block_size] * a.stride_block + (t % a.block_size) * a.stride_slot;
+      float* dst = kbuf.data() + j * a.dim;
+      Convert<T>::row(src, dst, a.dim, a.fp8_table);
+      if (!all_finite(dst, a.dim)) poisoned = true;
+    }
+    if (poisoned) break;
+    for (int64_t h = 0; h < g; ++h) {
+      float* sc = scores.data() + h * kChunk;
+      float mx = m[h];
+      for (int64_t j = 0; j < n; ++j) {
+        sc[j] = dot(q + h * a.dim, kbuf.data() + j * a.dim, a.dim);
+        mx = std::max(mx, sc[j]);
+      }
+      // A NaN score (an overflowed product) makes the row NaN through the weights.
+      const float rescale = m[h] == -inf ? 0.f : std::exp(m[h] - mx);
+      float* o = acc.data() + h * a.dv;
+      float sum = l[h] * rescale;
+      if (rescale != 1.f)
+        for (int64_t d = 0; d < a.dv; ++d) o[d] *= rescale;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = std::exp(sc[j] - mx);
+        sum += p;
+        const float* v = kbuf.data() + j * a.dim;
+        for (int64_t d = 0; d < a.dv; ++d) o[d] += p * v[d];
+      }
+      m[h] = mx;
+      l[h] = sum;
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    float* o = out + h * a.dv;
+    if (poisoned) {
+      std::fill(o, o + a.dv, nan);
+      lse[h] = nan;
+      continue;
+    }
+    const float w = a.v_scale / l[h];
+    const float* src = acc.data() + h * a.dv;
+    for (int64_t d = 0; d < a.dv; ++d) o[d] = src[d] * w;
+    lse[h] = m[h] + std::log(l[h]);
+  }
+}
+
+template <typename T>
+void run(const Args& a, const T* kv) {
+  const int64_t tasks = a.batch * a.q_len * ((a.heads + a.group - 1) / a.group);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kbuf(kChunk * a.dim), acc(a.group * a.dv), scores(a.group * (kChunk + 2));
+    for (int64_t task = begin; task < end; ++task) run_task<T>(a, kv, task, kbuf, acc, scores);
+  });
+}
+
+}  // namespace
+
+// q: float32 [B, S_q, H, D] contiguous, pre-scaled. kv_cache: [num_blocks, block_size, D]
+// with unit last stride, fp32/bf16/fp16 or uint8 (fp8 bytes, dequantized by fp8_table).
+void decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
+            const torch::Tensor& cache_seqlens, const torch::Tensor& out, const torch::Tensor& lse,
+            const c10::optional<torch::Tensor>& fault_flag, const c10::optional<torch::Tensor>& fp8_table,
+            int64_t plan_max, int64_t group, bool causal, double v_scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 4);
+  TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == q.size(3) && kv_cache.stride(2) == 1);
+  TORCH_CHECK(out.size(3) <= q.size(3));
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.is_contiguous());
+  TORCH_CHECK(cache_seqlens.scalar_type() == torch::kInt32 && cache_seqlens.is_contiguous());
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous());
+  TORCH_CHECK(lse.scalar_type() == torch::kFloat32 && lse.is_contiguous());
+  TORCH_CHECK(group >= 1);
+  Args a{};
+  a.q = q.data_ptr<float>();
+  a.table = block_table.data_ptr<int32_t>();
+  a.lens = cache_seqlens.data_ptr<int32_t>();
+  a.out = out.data_ptr<float>();
+  a.lse = lse.data_ptr<float>();
+  a.fault = fault_flag.has_value() ? fault_flag->data_ptr<int32_t>() : nullptr;
+  a.fp8_table = fp8_table.has_value() ? fp8_table->data_ptr<float>() : nullptr;
+  a.batch = q.size(0);
+  a.q_len = q.size(1);
+  a.heads = q.size(2);
+  a.dim = q.size(3);
+  a.dv = out.size(3);
+  a.block_size = kv_cache.size(1);
+  a.num_blocks = kv_cache.size(0);
+  a.max_blocks = block_table.size(1);
+  a.stride_block = kv_cache.stride(0);
+  a.stride_slot = kv_cache.stride(1);
+  a.plan_max = plan_max;
+  a.group = group;
+  a.causal = causal;
+  a.v_scale = static_cast<float>(v_scale);
+  switch (kv_cache.scalar_type()) {
+    case torch::kFloat32: run(a, kv_cache.data_ptr<float>()); break;
+    case torch::kBFloat16: run(a, kv_cache.data_ptr<c10::BFloat16>()); break;
+    case torch::kHalf: run(a, kv_cache.data_ptr<c10::Half>()); break;
+    case torch::kUInt8:
+      TORCH_CHECK(a.fp8_table != nullptr, "a uint8 cache needs its fp8 table");
+      run(a, kv_cache.data_ptr<uint8_t>());
+      break;
+    default: TORCH_CHECK(false, "unsupported cache dtype ", kv_cache.scalar_type());
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode", &decode); }
