@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -17,17 +18,42 @@ namespace {
 // Keys converted per step: 8 rows of fp32 (18 KiB at 576 wide) stay in L1 next to the
 // accumulators.
 constexpr int64_t kChunk = 8;
-// Independent partial sums: lets the compiler vectorize the dot product without fast-math.
-constexpr int kLanes = 16;
 
 constexpr int32_t kFaultBlockId = 1;
 constexpr int32_t kFaultBeyondTable = 2;
 constexpr int32_t kFaultBeyondPlan = 4;
 
+// GCC/Clang vector extensions: 16 floats, lowered to AVX-512, AVX2 or SSE by -march.
+typedef float Vec __attribute__((vector_size(64)));
+// The same vector at a float's alignment: how unaligned rows are loaded and stored.
+typedef float UnalignedVec __attribute__((vector_size(64), aligned(4), may_alias));
+constexpr int64_t kLanes = 16;
+
+inline Vec load(const float* p) { return *reinterpret_cast<const UnalignedVec*>(p); }
+
+inline void store(float* p, Vec v) { *reinterpret_cast<UnalignedVec*>(p) = v; }
+
+inline float hsum(Vec v) {
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+
 template <typename T>
 struct Convert {
   static inline void row(const T* src, float* dst, int64_t n, const float*) {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+};
+
+template <>
+struct Convert<c10::BFloat16> {  // bf16 is the top half of an fp32: a shift the compiler vectorizes
+  static inline void row(const c10::BFloat16* src, float* dst, int64_t n, const float*) {
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
+      __builtin_memcpy(dst + i, &wide, sizeof(wide));
+    }
   }
 };
 
@@ -38,27 +64,51 @@ struct Convert<uint8_t> {  // fp8: the bytes index a 256-entry dequant table
   }
 };
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float part[kLanes] = {0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) part[l] += a[i + l] * b[i + l];
-  float s = 0.f;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (int l = 0; l < kLanes; ++l) s += part[l];
-  return s;
-}
-
 // 0 * x is NaN exactly when x is not finite.
 inline bool all_finite(const float* a, int64_t n) {
-  float part[kLanes] = {0.f};
+  Vec part = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) part[l] += a[i + l] * 0.f;
-  float s = 0.f;
+  for (; i + kLanes <= n; i += kLanes) part += load(a + i) * 0.f;
+  float s = hsum(part);
   for (; i < n; ++i) s += a[i] * 0.f;
-  for (int l = 0; l < kLanes; ++l) s += part[l];
   return s == 0.f;
+}
+
+// scores[j] = q . k_j for the kChunk rows of one chunk: q is read once for all of them.
+inline void chunk_scores(const float* q, const float* const* rows, int64_t dim, float* scores) {
+  const float* k[kChunk];
+  for (int64_t j = 0; j < kChunk; ++j) k[j] = rows[j];
+  Vec part[kChunk] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= dim; d += kLanes) {
+    const Vec qv = load(q + d);
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < kChunk; ++j) part[j] += qv * load(k[j] + d);
+  }
+  for (int64_t j = 0; j < kChunk; ++j) {
+    float s = hsum(part[j]);
+    for (int64_t e = d; e < dim; ++e) s += q[e] * k[j][e];
+    scores[j] = s;
+  }
+}
+
+// o = o * rescale + sum_j p_j v_j, one pass over o.
+inline void chunk_accumulate(float* o, float rescale, const float* p, const float* const* rows,
+                             int64_t dv) {
+  const float* v[kChunk];
+  for (int64_t j = 0; j < kChunk; ++j) v[j] = rows[j];
+  int64_t d = 0;
+  for (; d + kLanes <= dv; d += kLanes) {
+    Vec acc = load(o + d) * rescale;
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < kChunk; ++j) acc += p[j] * load(v[j] + d);
+    store(o + d, acc);
+  }
+  for (; d < dv; ++d) {
+    float acc = o[d] * rescale;
+    for (int64_t j = 0; j < kChunk; ++j) acc += p[j] * v[j][d];
+    o[d] = acc;
+  }
 }
 
 struct Args {
@@ -79,7 +129,7 @@ struct Args {
 
 template <typename T>
 void run_task(const Args& a, const T* kv, int64_t task, std::vector<float>& kbuf,
-              std::vector<float>& acc, std::vector<float>& scores) {
+              std::vector<float>& acc, std::vector<float>& scores, const std::vector<float>& zeros) {
   const int64_t groups = (a.heads + a.group - 1) / a.group;
   const int64_t row = task / groups;  // b * q_len + s
   const int64_t h0 = (task % groups) * a.group;
@@ -118,35 +168,43 @@ void run_task(const Args& a, const T* kv, int64_t task, std::vector<float>& kbuf
   std::fill(acc.begin(), acc.begin() + g * a.dv, 0.f);
   std::fill(m, m + g, -inf);
   std::fill(l, l + g, 0.f);
+  const float* rows[kChunk];
+  float p[kChunk];
   for (int64_t t0 = 0; t0 < visible && !poisoned; t0 += kChunk) {
     const int64_t n = std::min(kChunk, visible - t0);
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < kChunk; ++j) {
+      float* dst = kbuf.data() + j * a.dim;
+      if (j >= n) {  // the last chunk's unused rows: zeros, weight 0
+        rows[j] = zeros.data();
+        continue;
+      }
       const int64_t t = t0 + j;
       const T* src = kv + table[t / a.block_size] * a.stride_block + (t % a.block_size) * a.stride_slot;
-      float* dst = kbuf.data() + j * a.dim;
-      Convert<T>::row(src, dst, a.dim, a.fp8_table);
-      if (!all_finite(dst, a.dim)) poisoned = true;
+      if constexpr (std::is_same_v<T, float>) {
+        rows[j] = src;  // read in place, no copy
+      } else {
+        Convert<T>::row(src, dst, a.dim, a.fp8_table);
+        rows[j] = dst;
+      }
     }
-    if (poisoned) break;
-    for (int64_t h = 0; h < g; ++h) {
+    for (int64_t h = 0; h < g && !poisoned; ++h) {
       float* sc = scores.data() + h * kChunk;
+      chunk_scores(q + h * a.dim, rows, a.dim, sc);
       float mx = m[h];
+      // With a finite query, a score is finite only if every element of its key row is: a
+      // non-finite one cannot cancel out of the sum. So the scores are the cache probe (and
+      // an overflowed score poisons the row too, as inf - inf would).
       for (int64_t j = 0; j < n; ++j) {
-        sc[j] = dot(q + h * a.dim, kbuf.data() + j * a.dim, a.dim);
+        poisoned |= !std::isfinite(sc[j]);
         mx = std::max(mx, sc[j]);
       }
-      // A NaN score (an overflowed product) makes the row NaN through the weights.
       const float rescale = m[h] == -inf ? 0.f : std::exp(m[h] - mx);
-      float* o = acc.data() + h * a.dv;
       float sum = l[h] * rescale;
-      if (rescale != 1.f)
-        for (int64_t d = 0; d < a.dv; ++d) o[d] *= rescale;
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = std::exp(sc[j] - mx);
-        sum += p;
-        const float* v = kbuf.data() + j * a.dim;
-        for (int64_t d = 0; d < a.dv; ++d) o[d] += p * v[d];
+      for (int64_t j = 0; j < kChunk; ++j) {
+        p[j] = j < n ? std::exp(sc[j] - mx) : 0.f;
+        sum += p[j];
       }
+      chunk_accumulate(acc.data() + h * a.dv, rescale, p, rows, a.dv);
       m[h] = mx;
       l[h] = sum;
     }
@@ -170,7 +228,8 @@ void run(const Args& a, const T* kv) {
   const int64_t tasks = a.batch * a.q_len * ((a.heads + a.group - 1) / a.group);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kbuf(kChunk * a.dim), acc(a.group * a.dv), scores(a.group * (kChunk + 2));
-    for (int64_t task = begin; task < end; ++task) run_task<T>(a, kv, task, kbuf, acc, scores);
+    const std::vector<float> zeros(a.dim, 0.f);
+    for (int64_t task = begin; task < end; ++task) run_task<T>(a, kv, task, kbuf, acc, scores, zeros);
   });
 }
 
