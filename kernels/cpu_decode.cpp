@@ -74,41 +74,55 @@ inline bool all_finite(const float* a, int64_t n) {
   return s == 0.f;
 }
 
-// scores[j] = q . k_j for the kChunk rows of one chunk: q is read once for all of them.
+// scores[i * kChunk + j] = q_i . k_j for NH heads (rows of q, dim apart) and the kChunk rows
+// of one chunk: each load of q or of a key feeds several FMAs.
+template <int NH>
 inline void chunk_scores(const float* q, const float* const* rows, int64_t dim, float* scores) {
   const float* k[kChunk];
   for (int64_t j = 0; j < kChunk; ++j) k[j] = rows[j];
-  Vec part[kChunk] = {};
+  Vec part[NH][kChunk] = {};
   int64_t d = 0;
   for (; d + kLanes <= dim; d += kLanes) {
-    const Vec qv = load(q + d);
 #pragma GCC unroll 8
-    for (int64_t j = 0; j < kChunk; ++j) part[j] += qv * load(k[j] + d);
+    for (int64_t j = 0; j < kChunk; ++j) {
+      const Vec kv = load(k[j] + d);
+#pragma GCC unroll 2
+      for (int i = 0; i < NH; ++i) part[i][j] += load(q + i * dim + d) * kv;
+    }
   }
-  for (int64_t j = 0; j < kChunk; ++j) {
-    float s = hsum(part[j]);
-    for (int64_t e = d; e < dim; ++e) s += q[e] * k[j][e];
-    scores[j] = s;
-  }
+  for (int i = 0; i < NH; ++i)
+    for (int64_t j = 0; j < kChunk; ++j) {
+      float s = hsum(part[i][j]);
+      for (int64_t e = d; e < dim; ++e) s += q[i * dim + e] * k[j][e];
+      scores[i * kChunk + j] = s;
+    }
 }
 
-// o = o * rescale + sum_j p_j v_j, one pass over o.
-inline void chunk_accumulate(float* o, float rescale, const float* p, const float* const* rows,
-                             int64_t dv) {
+// o_i = o_i * rescale_i + sum_j p[i * kChunk + j] v_j for NH accumulator rows (dv apart), one
+// pass over them.
+template <int NH>
+inline void chunk_accumulate(float* o, const float* rescale, const float* p,
+                             const float* const* rows, int64_t dv) {
   const float* v[kChunk];
   for (int64_t j = 0; j < kChunk; ++j) v[j] = rows[j];
   int64_t d = 0;
   for (; d + kLanes <= dv; d += kLanes) {
-    Vec acc = load(o + d) * rescale;
+    Vec acc[NH];
+    for (int i = 0; i < NH; ++i) acc[i] = load(o + i * dv + d) * rescale[i];
 #pragma GCC unroll 8
-    for (int64_t j = 0; j < kChunk; ++j) acc += p[j] * load(v[j] + d);
-    store(o + d, acc);
+    for (int64_t j = 0; j < kChunk; ++j) {
+      const Vec vv = load(v[j] + d);
+#pragma GCC unroll 2
+      for (int i = 0; i < NH; ++i) acc[i] += p[i * kChunk + j] * vv;
+    }
+    for (int i = 0; i < NH; ++i) store(o + i * dv + d, acc[i]);
   }
-  for (; d < dv; ++d) {
-    float acc = o[d] * rescale;
-    for (int64_t j = 0; j < kChunk; ++j) acc += p[j] * v[j][d];
-    o[d] = acc;
-  }
+  for (; d < dv; ++d)
+    for (int i = 0; i < NH; ++i) {
+      float acc = o[i * dv + d] * rescale[i];
+      for (int64_t j = 0; j < kChunk; ++j) acc += p[i * kChunk + j] * v[j][d];
+      o[i * dv + d] = acc;
+    }
 }
 
 struct Args {
@@ -169,7 +183,7 @@ void run_task(const Args& a, const T* kv, int64_t task, std::vector<float>& kbuf
   std::fill(m, m + g, -inf);
   std::fill(l, l + g, 0.f);
   const float* rows[kChunk];
-  float p[kChunk];
+  float p[2 * kChunk];
   for (int64_t t0 = 0; t0 < visible && !poisoned; t0 += kChunk) {
     const int64_t n = std::min(kChunk, visible - t0);
     for (int64_t j = 0; j < kChunk; ++j) {
@@ -187,26 +201,38 @@ void run_task(const Args& a, const T* kv, int64_t task, std::vector<float>& kbuf
         rows[j] = dst;
       }
     }
-    for (int64_t h = 0; h < g && !poisoned; ++h) {
+    for (int64_t h = 0; h < g && !poisoned; h += 2) {
+      const int nh = h + 1 < g ? 2 : 1;  // two heads per pass: one key load, two FMAs
       float* sc = scores.data() + h * kChunk;
-      chunk_scores(q + h * a.dim, rows, a.dim, sc);
-      float mx = m[h];
-      // With a finite query, a score is finite only if every element of its key row is: a
-      // non-finite one cannot cancel out of the sum. So the scores are the cache probe (and
-      // an overflowed score poisons the row too, as inf - inf would).
-      for (int64_t j = 0; j < n; ++j) {
-        poisoned |= !std::isfinite(sc[j]);
-        mx = std::max(mx, sc[j]);
+      if (nh == 2)
+        chunk_scores<2>(q + h * a.dim, rows, a.dim, sc);
+      else
+        chunk_scores<1>(q + h * a.dim, rows, a.dim, sc);
+      float rescale[2];
+      for (int i = 0; i < nh; ++i) {
+        float* si = sc + i * kChunk;
+        float* pi = p + i * kChunk;
+        float mx = m[h + i];
+        // With a finite query, a score is finite only if every element of its key row is: a
+        // non-finite one cannot cancel out of the sum. So the scores are the cache probe (and
+        // an overflowed score poisons the row too, as inf - inf would).
+        for (int64_t j = 0; j < n; ++j) {
+          poisoned |= !std::isfinite(si[j]);
+          mx = std::max(mx, si[j]);
+        }
+        rescale[i] = m[h + i] == -inf ? 0.f : std::exp(m[h + i] - mx);
+        float sum = l[h + i] * rescale[i];
+        for (int64_t j = 0; j < kChunk; ++j) {
+          pi[j] = j < n ? std::exp(si[j] - mx) : 0.f;
+          sum += pi[j];
+        }
+        m[h + i] = mx;
+        l[h + i] = sum;
       }
-      const float rescale = m[h] == -inf ? 0.f : std::exp(m[h] - mx);
-      float sum = l[h] * rescale;
-      for (int64_t j = 0; j < kChunk; ++j) {
-        p[j] = j < n ? std::exp(sc[j] - mx) : 0.f;
-        sum += p[j];
-      }
-      chunk_accumulate(acc.data() + h * a.dv, rescale, p, rows, a.dv);
-      m[h] = mx;
-      l[h] = sum;
+      if (nh == 2)
+        chunk_accumulate<2>(acc.data() + h * a.dv, rescale, p, rows, a.dv);
+      else
+        chunk_accumulate<1>(acc.data() + h * a.dv, rescale, p, rows, a.dv);
     }
   }
   for (int64_t h = 0; h < g; ++h) {
