@@ -28,13 +28,19 @@ HEAD_DIM, DV = 80, 64
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
-@pytest.fixture(autouse=True, params=["fused", "bmm"])
+@pytest.fixture(autouse=True, params=["cpp", "fused", "bmm"])
 def attend(request, monkeypatch):
-    """Every test on both compute paths: the CPU's fused attention and the batched GEMMs a
-    GPU runs (forced here on the CPU)."""
+    """Every test on each compute path: the fused C++ CPU kernel, the torch ops' fused
+    attention it replaces when it builds, and the batched GEMMs a GPU runs (forced here on
+    the CPU)."""
     # The debug checks would refuse these calls before the backend runs; the point here is
     # what the backend itself does with them.
     monkeypatch.delenv(DEBUG_ENV_VAR, raising=False)
+    if request.param == "cpp":
+        if torch_ref.cpu_kernel_unavailable() is not None:
+            pytest.skip(torch_ref.cpu_kernel_unavailable())
+    else:
+        monkeypatch.setattr(torch_ref, "cpu_kernel_unavailable", lambda: "forced off")
     if request.param == "bmm":
         monkeypatch.setattr(torch_ref, "_attend_fused", torch_ref._attend_bmm)
     return request.param

@@ -6,7 +6,9 @@ chunks of columns; each chunk is gathered once into a buffer small enough to sta
 and both ``Q K^T`` and ``P V`` read it there: on the CPU in one fused attention call per
 chunk (``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp),
 elsewhere as two batched GEMMs with an online softmax. Chunks are merged through their
-log-sum-exps; the full gathered cache is never materialized.
+log-sum-exps; the full gathered cache is never materialized. On the CPU, when the fused C++
+kernel (``rocm_mla.kernels.cpu_decode``) builds, every call goes to it instead: one pass over
+the keys with no gather, under the same results and NaN / fault rules.
 
 Bounds: keys are read only below the plan's ``max_seqlen``, inside the block table and from
 block ids in ``[0, num_blocks)``. A query row that may see any other key comes out NaN (out
@@ -31,6 +33,7 @@ from rocm_mla.inputs import (
     DecodeProblem,
     visible_lengths,
 )
+from rocm_mla.kernels import cpu_decode
 
 #: Bytes of gathered cache per chunk, all requests together. Fewer, larger fused calls win:
 #: on a 2-core Sapphire Rapids, 1 MiB chunks (L2-sized) were 2-4x slower at 4 heads (each
@@ -63,6 +66,19 @@ def torch_mla_decode(
     """The torch decode. ``plan`` supplies the longest length the call may read (no host
     sync); without one it is read from the lengths (one sync)."""
     p = problem
+    if p.q.device.type == "cpu" and cpu_kernel_unavailable() is None:
+        return cpu_decode.decode(
+            p.q,
+            p.kv_cache,
+            p.block_table,
+            p.cache_seqlens,
+            head_dim_v=p.head_dim_v,
+            softmax_scale=p.softmax_scale,
+            causal=p.causal,
+            kv_scale=p.kv_scale,
+            max_seqlen=None if plan is None else plan.max_seqlen,
+            fault_flag=p.fault_flag,
+        )
     batch, block_size, device = p.batch, p.block_size, p.q.device
     max_blocks = p.block_table.shape[1]
 
@@ -107,6 +123,11 @@ def torch_mla_decode(
     out = _fill_rows(_fill_rows(out.to(p.q.dtype), nan_rows, math.nan), empty, 0.0)
     lse = lse.masked_fill(nan_rows, math.nan).masked_fill_(empty, -math.inf)
     return out, lse
+
+
+def cpu_kernel_unavailable() -> str | None:
+    """None when CPU calls run the fused C++ kernel, else why they run the torch ops."""
+    return cpu_decode.available()
 
 
 def _fill_rows(t: torch.Tensor, rows: torch.Tensor, value: float) -> torch.Tensor:
