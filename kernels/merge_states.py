@@ -150,8 +150,9 @@ def launch_merge(
     else:
         # One row per GPU program (rows are plenty), Dv in chunks of 256 and a [4, 1, 256]
         # tile: 16 fp32 values per lane in one 64-lane AMD wave, where a [16, 1, 512] tile
-        # spills registers.
-        block_p = min(triton.next_power_of_2(max(num_parts, 1)), 4)
+        # spills registers. Always 4 partials per step (masked past N): one kernel for every
+        # split count, and sm90's ptxas spills the 2-partial build (4 bytes at 32 registers).
+        block_p = 4
         block_d = min(triton.next_power_of_2(head_dim_v), 256)
         block_r = 1
     _merge_states_kernel[(triton.cdiv(rows, block_r),)](

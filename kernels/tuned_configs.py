@@ -143,6 +143,14 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
         ("*", "*", "16bit"): TableEntry(
             LaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=3), _SWEEP_H200
         ),
+        # One 16-row group: the next tile's block ids are loaded a trip ahead, so its KV
+        # copies are issued two tiles ahead into their own smem buffers (without, the copy
+        # waits on the ids and one buffer is all the pipeliner makes). More rows spill.
+        ("16", "1", "16bit"): TableEntry(
+            LaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, prefetch_ids=True),
+            "unmeasured: the H200 sweep's winner with block ids one trip ahead; compiled for "
+            "sm90: two KV smem buffers, no spills",
+        ),
         ("*", "*", "fp8"): TableEntry(
             LaunchConfig(
                 block_h=64, block_n=64, num_warps=8, num_stages=3, fp8_qk=True, fp8_pv=True
@@ -162,23 +170,33 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
     "gfx942": {
         ("*", "*", "*"): TableEntry(
             LaunchConfig(
-                block_h=16, block_n=16, num_warps=4, num_stages=1, num_xcds=8, kpack=2, **_AMD_KNOBS
+                block_h=16,
+                block_n=16,
+                num_warps=4,
+                num_stages=2,
+                num_xcds=8,
+                kpack=2,
+                prefetch_ids=True,
+                **_AMD_KNOBS,
             ),
-            "unmeasured: sglang/vLLM's MI3xx shape; compiles without spills",
+            "unmeasured: sglang/vLLM's MI3xx shape, with the next tile prefetched (block ids "
+            "one trip ahead, two LDS buffers); compiles without spills",
         ),
         ("*", "*", "fp8"): TableEntry(
             LaunchConfig(
                 block_h=16,
                 block_n=32,
                 num_warps=4,
-                num_stages=1,
+                num_stages=2,
                 num_xcds=8,
                 fp8_qk=True,
                 fp8_pv=True,
                 kpack=2,
+                prefetch_ids=True,
                 **_AMD_KNOBS,
             ),
-            "unmeasured: fp8 tiles are half the bytes, so 32 keys fit the LDS",
+            "unmeasured: fp8 tiles are half the bytes, so 32 keys fit the LDS twice (the next "
+            "tile prefetched)",
         ),
         # No row-owned fp8 entry: at 32 keys (the fp8 MFMA's K for P.V) every row-owned group
         # but H128 S_q 1 spills 20-406 VGPRs in Triton 3.9 (bench static); replicated Q.K^T
@@ -204,9 +222,16 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
     "gfx950": {
         ("*", "*", "*"): TableEntry(
             LaunchConfig(
-                block_h=16, block_n=16, num_warps=8, num_stages=2, num_xcds=8, **_AMD_KNOBS
+                block_h=16,
+                block_n=16,
+                num_warps=8,
+                num_stages=2,
+                num_xcds=8,
+                prefetch_ids=True,
+                **_AMD_KNOBS,
             ),
-            "unmeasured: compiles without spills",
+            "unmeasured: the next tile prefetched (block ids one trip ahead, two LDS "
+            "buffers); compiles without spills",
         ),
         ("*", "*", "fp8"): TableEntry(
             LaunchConfig(
@@ -217,9 +242,11 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
                 num_xcds=8,
                 fp8_qk=True,
                 fp8_pv=True,
+                prefetch_ids=True,
                 **_AMD_KNOBS,
             ),
-            "unmeasured: fp8 tiles are half the bytes, so 32 keys fit",
+            "unmeasured: fp8 tiles are half the bytes, so 32 keys fit twice (the next tile "
+            "prefetched)",
         ),
         # No row-owned fp8 entry: at 64 rows x 32 keys it spills 1-77 VGPRs in Triton 3.9
         # (1, 2 or 3 stages, one or two V halves, ids ahead or not); 16 keys spill hundreds.

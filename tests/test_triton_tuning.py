@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -89,8 +90,8 @@ def test_lookup_prefers_the_most_specific_entry():
 
 
 def test_sm90_takes_the_measured_sweep_winner_and_amd_is_marked_unmeasured():
-    for heads in (16, 32, 128):
-        entry = kernel.table_entry(SM90, num_heads=heads, kv_dtype=torch.bfloat16)
+    for heads, q_len in ((16, 2), (32, 1), (128, 1)):
+        entry = kernel.table_entry(SM90, num_heads=heads, q_len=q_len, kv_dtype=torch.bfloat16)
         config = entry.config
         assert (config.block_h, config.block_n, config.num_warps, config.num_stages) == (
             64,
@@ -98,7 +99,13 @@ def test_sm90_takes_the_measured_sweep_winner_and_amd_is_marked_unmeasured():
             8,
             3,
         )
-        assert entry.source.startswith("measured")
+        assert entry.source.startswith("measured") and not config.prefetch_ids
+    # One 16-row group: the same launch with the block ids a trip ahead, not measured yet.
+    entry = kernel.table_entry(SM90, num_heads=16, q_len=1, kv_dtype=torch.bfloat16)
+    assert entry.config == replace(
+        kernel.table_entry(SM90, num_heads=32, kv_dtype=torch.bfloat16).config, prefetch_ids=True
+    )
+    assert entry.source.startswith("unmeasured")
     for key, table in tables.TABLES.items():
         if key in ("gfx942", "gfx950"):
             assert all(e.source.startswith("unmeasured") for e in table.values())
@@ -259,20 +266,19 @@ def test_planned_call_makes_no_device_to_host_transfer(monkeypatch):
 
 
 def _table_shape_classes():
-    """Distinct (rows, keys, Dv halves, fp8 dots) among all tables' entries, each once."""
+    """Distinct (rows, keys, Dv halves, fp8 dots, ids ahead) among all tables' entries, once."""
     classes = {}
     for target_key, table in tables.TABLES.items():
         for key, entry in table.items():
             c = entry.config
-            classes.setdefault((c.block_h, c.block_n, c.dv_chunks, c.fp8_qk, c.fp8_pv), []).append(
-                (target_key, key)
-            )
+            shape = (c.block_h, c.block_n, c.dv_chunks, c.fp8_qk, c.fp8_pv, c.prefetch_ids)
+            classes.setdefault(shape, []).append((target_key, key))
     return sorted(classes.items())
 
 
 @pytest.mark.parametrize(("shape", "where"), _table_shape_classes())
 def test_every_table_shape_class_matches_torch(shape, where):
-    block_h, block_n, dv_chunks, fp8_qk, fp8_pv = shape
+    block_h, block_n, dv_chunks, fp8_qk, fp8_pv, prefetch_ids = shape
     config = tables.LaunchConfig(
         block_h=block_h,
         block_n=block_n,
@@ -281,6 +287,7 @@ def test_every_table_shape_class_matches_torch(shape, where):
         dv_chunks=dv_chunks,
         fp8_qk=fp8_qk,
         fp8_pv=fp8_pv,
+        prefetch_ids=prefetch_ids,
     )
     # Enough rows that the group holds block_h of them (64 = 16 heads x 4 positions).
     heads, q_len = (16, block_h // 16)
