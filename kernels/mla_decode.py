@@ -24,7 +24,11 @@ fixed power-of-two lift. Elsewhere the tiles are upcast to Q's 16-bit type.
 
 Non-finite input is never mistaken for "no key": a NaN or infinite score of a key a row may
 see (NaN/Inf in q or in a visible cache element, an overflowing scale) makes that row's out
-and lse NaN; rows with no visible key give out 0 and lse -inf.
+and lse NaN; rows with no visible key give out 0 and lse -inf. In a causal verify window
+the keys from the window's first one (``L - S_q + 1``) on are seen by some rows and not
+others, and ``0 x NaN`` would still reach the rows that give such a key weight 0: the walk
+takes those last tiles in a second loop that zeroes non-finite V elements before ``P V``; the
+tiles every row sees go through the first loop straight from the loaded tile to the dots.
 """
 
 from __future__ import annotations
@@ -67,8 +71,10 @@ __all__ = [
 #: units, and every extra split costs about this many tokens of work (its prologue, the
 #: partial it writes and stage 2 reading it back).
 SPLIT_OVERHEAD_TOKENS = 84.0
-#: Below this many keys per split the overhead dominates; never split finer.
-MIN_TOKENS_PER_SPLIT = 256
+#: Below this many keys per split the overhead dominates; never split finer. 128, not 256:
+#: a DCP rank's 4K-16K share of a 32K context at B 8 then still fills 0.9 of a wave
+#: (the cost model above already charges each split its overhead).
+MIN_TOKENS_PER_SPLIT = 128
 #: Upper bound on splits (stage 2 reads them all back per output row). Room for one 32K
 #: request of 16 heads to fill two programs on each of MI300X's 304 CUs in 0.9 of a wave
 #: (B8 x 32K needs 76 splits there); MIN_TOKENS_PER_SPLIT still bounds short requests.
@@ -416,6 +422,135 @@ def _to_fp8(x, FP8_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, EMULATE_MIN_EXP
 
 
 @triton.jit
+def _attend_tile(
+    first,  # the tile's first key position
+    end,
+    block_row,
+    kv_ptr,
+    num_blocks,
+    stride_kv_block,
+    stride_kv_token,
+    q_nope,
+    q_rope,
+    q_nope_hi,
+    row_scale,
+    visible,
+    running_max,
+    denom,
+    acc,
+    acc_hi,
+    next_block,
+    HEAD_DIM_V: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DV_CHUNKS: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    K_DTYPE: tl.constexpr,
+    V_DTYPE: tl.constexpr,
+    PV_FP8: tl.constexpr,
+    FP8_DTYPE: tl.constexpr,
+    FP8_EMULATE_MIN_EXP: tl.constexpr,
+    P_SCALE: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,
+    GUARD_V: tl.constexpr,
+):
+    """One KV tile of stage 1's walk: load it, fold it into the online softmax state.
+
+    ``GUARD_V``: zero non-finite V elements first (tiles some rows of a verify window see
+    and others do not). Returns ``(running_max, denom, acc, acc_hi, next_block)``."""
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    dv_mask = offs_dv < HEAD_DIM_V
+    dv_mask_hi = BLOCK_DV + offs_dv < HEAD_DIM_V
+    dr_mask = offs_dr < ROPE_DIM
+    pos = first + tl.arange(0, BLOCK_N)
+    # pos < end <= capacity: every column read from the table is below max_blocks.
+    in_range = pos < end
+    if PREFETCH_IDS:
+        block = next_block
+        # The mask compares without pos + BLOCK_N, which may wrap past 2^31 - 1 in lanes
+        # it drops.
+        ahead = pos < end - BLOCK_N
+        next_block = tl.load(block_row + (pos + BLOCK_N) // PAGE_SIZE, mask=ahead, other=0)
+    else:
+        block = tl.load(block_row + pos // PAGE_SIZE, mask=in_range, other=0)
+    # A bad id (as uint32 a negative one is above 2^31) is clamped to the last block for
+    # the address only, so every load stays inside kv_cache; the rows that may see such
+    # a key are poisoned after the loop whatever it read (first_bad). Cheaper than a
+    # second load mask: one unsigned min per key; back to int32 (the result is below
+    # num_blocks) so the offset math stays what it was.
+    block = tl.minimum(block.to(tl.uint32, bitcast=True), num_blocks - 1)
+    block = block.to(tl.int32, bitcast=True)
+    token = (
+        kv_ptr
+        + block.to(tl.int64) * stride_kv_block
+        + (pos % PAGE_SIZE).to(tl.int64) * stride_kv_token
+    )
+    # Masked loads: slots past a request's length may hold NaN, and NaN * 0 is NaN, so
+    # they must never enter a product, not even with a zero weight.
+    kv_nope = tl.load(
+        token[:, None] + offs_dv[None, :],
+        mask=in_range[:, None] & dv_mask[None, :],
+        other=0.0,
+    )
+    kv_rope = tl.load(
+        token[:, None] + HEAD_DIM_V + offs_dr[None, :],
+        mask=in_range[:, None] & dr_mask[None, :],
+        other=0.0,
+    )
+    # "ieee": fp32 tiles must not be rounded to tf32 (16-bit and fp8 inputs are exact).
+    scores = tl.dot(q_nope, tl.trans(kv_nope.to(K_DTYPE)), input_precision="ieee")
+    if DV_CHUNKS == 2:
+        kv_nope_hi = tl.load(
+            token[:, None] + BLOCK_DV + offs_dv[None, :],
+            mask=in_range[:, None] & dv_mask_hi[None, :],
+            other=0.0,
+        )
+        scores = tl.dot(q_nope_hi, tl.trans(kv_nope_hi.to(K_DTYPE)), scores, input_precision="ieee")
+    scores = tl.dot(q_rope, tl.trans(kv_rope.to(K_DTYPE)), scores, input_precision="ieee")
+    scores = scores * row_scale[:, None]
+    seen_key = pos[None, :] < visible[:, None]
+    # A NaN or infinite score of a visible key (NaN/Inf in q or the cache, an overflowing
+    # scale) must not pass for "no key" or weight 0: it poisons the row's denominator,
+    # hence its out and lse. A comparison, not s - s, which FMA contraction may break.
+    nonfinite = tl.where(seen_key & (tl.abs(scores) < float("inf")), 0.0, 1.0)
+    nonfinite = tl.where(seen_key, nonfinite, 0.0)
+    poison = tl.where(tl.max(nonfinite, axis=1) > 0, float("nan"), 0.0)
+    scores = tl.where(seen_key, scores, float("-inf"))
+
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    # Rows that have seen no key yet keep weight 0 without ever computing inf - inf.
+    ref = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp2(running_max - ref)
+    weights = tl.exp2(scores - ref[:, None])
+    denom = denom * rescale + tl.sum(weights, axis=1) + poison
+    # Weights are <= 1; P_SCALE lifts them off fp8's subnormal floor (undone in out_scale).
+    if PV_FP8:
+        p = _to_fp8(weights * P_SCALE, FP8_DTYPE, V_DTYPE, FP8_EMULATE_MIN_EXP)
+    else:
+        p = weights.to(V_DTYPE)
+    if GUARD_V:
+        # The rows that do see a non-finite key are already poisoned through their scores.
+        kv_nope = tl.where(
+            tl.abs(kv_nope.to(tl.float32)) < float("inf"), kv_nope, tl.zeros_like(kv_nope)
+        )
+        if DV_CHUNKS == 2:
+            kv_nope_hi = tl.where(
+                tl.abs(kv_nope_hi.to(tl.float32)) < float("inf"),
+                kv_nope_hi,
+                tl.zeros_like(kv_nope_hi),
+            )
+    acc = tl.dot(p, kv_nope.to(V_DTYPE), acc * rescale[:, None], input_precision="ieee")
+    if DV_CHUNKS == 2:
+        acc_hi = tl.dot(
+            p, kv_nope_hi.to(V_DTYPE), acc_hi * rescale[:, None], input_precision="ieee"
+        )
+    return new_max, denom, acc, acc_hi, next_block
+
+
+@triton.jit
 def _mla_decode_stage1(
     q_ptr,  # [B, S_q, H, D]
     kv_ptr,  # [num_blocks, PAGE_SIZE, D], unit stride in D
@@ -554,6 +689,10 @@ def _mla_decode_stage1(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     if DV_CHUNKS == 2:
         acc_hi = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    else:
+        # Placeholders the tile step carries untouched with one V part.
+        acc_hi = tl.zeros([1], tl.float32)
+        q_nope_hi = tl.zeros([1], tl.float32)
     block_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
     end = end.to(tl.int32)
 
@@ -563,94 +702,90 @@ def _mla_decode_stage1(
     next_pos = start + tl.arange(0, BLOCK_N)
     if PREFETCH_IDS:
         next_block = tl.load(block_row + next_pos // PAGE_SIZE, mask=next_pos < end, other=0)
-    for tile in range(0, num_tiles):
-        pos = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        # pos < end <= capacity: every column read from the table is below max_blocks.
-        in_range = pos < end
-        if PREFETCH_IDS:
-            block = next_block
-            # The mask compares without pos + BLOCK_N, which may wrap past 2^31 - 1 in lanes
-            # it drops.
-            ahead = pos < end - BLOCK_N
-            next_block = tl.load(block_row + (pos + BLOCK_N) // PAGE_SIZE, mask=ahead, other=0)
-        else:
-            block = tl.load(block_row + pos // PAGE_SIZE, mask=in_range, other=0)
-        # A bad id (as uint32 a negative one is above 2^31) is clamped to the last block for
-        # the address only, so every load stays inside kv_cache; the rows that may see such
-        # a key are poisoned after the loop whatever it read (first_bad). Cheaper than a
-        # second load mask: one unsigned min per key; back to int32 (the result is below
-        # num_blocks) so the offset math stays what it was.
-        block = tl.minimum(block.to(tl.uint32, bitcast=True), num_blocks - 1)
-        block = block.to(tl.int32, bitcast=True)
-        token = (
-            kv_ptr
-            + block.to(tl.int64) * stride_kv_block
-            + (pos % PAGE_SIZE).to(tl.int64) * stride_kv_token
+    else:
+        next_block = tl.zeros([BLOCK_N], tl.int32)
+    if CAUSAL and Q_LEN > 1:
+        # Rows of one verify window see different keys: a key only later rows see has weight
+        # 0 in the earlier ones, and 0 x NaN (a non-finite V element) would still reach them.
+        # Only keys from the window's first one on (L - S_q + 1) are seen by some rows and
+        # not others; the tiles below it go through the loop without that guard, so their
+        # V tiles never make a round trip through registers.
+        # Compared first, so that L - S_q + 1 cannot wrap at L near -2^31.
+        window = tl.where(seqlen > Q_LEN - 1, seqlen - (Q_LEN - 1), 0)
+        shared_tiles = tl.minimum(tl.maximum(window - start, 0) // BLOCK_N, num_tiles)
+    else:
+        shared_tiles = num_tiles
+    for tile in range(0, shared_tiles):
+        running_max, denom, acc, acc_hi, next_block = _attend_tile(
+            start + tile * BLOCK_N,
+            end,
+            block_row,
+            kv_ptr,
+            num_blocks,
+            stride_kv_block,
+            stride_kv_token,
+            q_nope,
+            q_rope,
+            q_nope_hi,
+            row_scale,
+            visible,
+            running_max,
+            denom,
+            acc,
+            acc_hi,
+            next_block,
+            HEAD_DIM_V,
+            ROPE_DIM,
+            PAGE_SIZE,
+            BLOCK_N,
+            BLOCK_DV,
+            DV_CHUNKS,
+            BLOCK_DR,
+            K_DTYPE,
+            V_DTYPE,
+            PV_FP8,
+            FP8_DTYPE,
+            FP8_EMULATE_MIN_EXP,
+            P_SCALE,
+            PREFETCH_IDS,
+            False,
         )
-        # Masked loads: slots past a request's length may hold NaN, and NaN * 0 is NaN, so
-        # they must never enter a product, not even with a zero weight.
-        kv_nope = tl.load(
-            token[:, None] + offs_dv[None, :],
-            mask=in_range[:, None] & dv_mask[None, :],
-            other=0.0,
-        )
-        kv_rope = tl.load(
-            token[:, None] + HEAD_DIM_V + offs_dr[None, :],
-            mask=in_range[:, None] & dr_mask[None, :],
-            other=0.0,
-        )
-        # "ieee": fp32 tiles must not be rounded to tf32 (16-bit and fp8 inputs are exact).
-        scores = tl.dot(q_nope, tl.trans(kv_nope.to(K_DTYPE)), input_precision="ieee")
-        if DV_CHUNKS == 2:
-            kv_nope_hi = tl.load(
-                token[:, None] + BLOCK_DV + offs_dv[None, :],
-                mask=in_range[:, None] & dv_mask_hi[None, :],
-                other=0.0,
+    if CAUSAL and Q_LEN > 1:
+        for tile in range(shared_tiles, num_tiles):
+            running_max, denom, acc, acc_hi, next_block = _attend_tile(
+                start + tile * BLOCK_N,
+                end,
+                block_row,
+                kv_ptr,
+                num_blocks,
+                stride_kv_block,
+                stride_kv_token,
+                q_nope,
+                q_rope,
+                q_nope_hi,
+                row_scale,
+                visible,
+                running_max,
+                denom,
+                acc,
+                acc_hi,
+                next_block,
+                HEAD_DIM_V,
+                ROPE_DIM,
+                PAGE_SIZE,
+                BLOCK_N,
+                BLOCK_DV,
+                DV_CHUNKS,
+                BLOCK_DR,
+                K_DTYPE,
+                V_DTYPE,
+                PV_FP8,
+                FP8_DTYPE,
+                FP8_EMULATE_MIN_EXP,
+                P_SCALE,
+                PREFETCH_IDS,
+                True,
             )
-            scores = tl.dot(
-                q_nope_hi, tl.trans(kv_nope_hi.to(K_DTYPE)), scores, input_precision="ieee"
-            )
-        scores = tl.dot(q_rope, tl.trans(kv_rope.to(K_DTYPE)), scores, input_precision="ieee")
-        scores = scores * row_scale[:, None]
-        seen_key = pos[None, :] < visible[:, None]
-        # A NaN or infinite score of a visible key (NaN/Inf in q or the cache, an overflowing
-        # scale) must not pass for "no key" or weight 0: it poisons the row's denominator,
-        # hence its out and lse. A comparison, not s - s, which FMA contraction may break.
-        nonfinite = tl.where(seen_key & (tl.abs(scores) < float("inf")), 0.0, 1.0)
-        nonfinite = tl.where(seen_key, nonfinite, 0.0)
-        poison = tl.where(tl.max(nonfinite, axis=1) > 0, float("nan"), 0.0)
-        scores = tl.where(seen_key, scores, float("-inf"))
-
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        # Rows that have seen no key yet keep weight 0 without ever computing inf - inf.
-        ref = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp2(running_max - ref)
-        weights = tl.exp2(scores - ref[:, None])
-        denom = denom * rescale + tl.sum(weights, axis=1) + poison
-        # Weights are <= 1; P_SCALE lifts them off fp8's subnormal floor (undone in out_scale).
-        if PV_FP8:
-            p = _to_fp8(weights * P_SCALE, FP8_DTYPE, V_DTYPE, FP8_EMULATE_MIN_EXP)
-        else:
-            p = weights.to(V_DTYPE)
-        if CAUSAL and Q_LEN > 1:
-            # Rows of one verify window see different keys: a non-finite key that only later
-            # rows see has weight 0 in the earlier ones, and 0 * NaN would still reach them.
-            # The rows that do see it are already poisoned through their scores.
-            kv_nope = tl.where(
-                tl.abs(kv_nope.to(tl.float32)) < float("inf"), kv_nope, tl.zeros_like(kv_nope)
-            )
-            if DV_CHUNKS == 2:
-                kv_nope_hi = tl.where(
-                    tl.abs(kv_nope_hi.to(tl.float32)) < float("inf"),
-                    kv_nope_hi,
-                    tl.zeros_like(kv_nope_hi),
-                )
-        acc = tl.dot(p, kv_nope.to(V_DTYPE), acc * rescale[:, None], input_precision="ieee")
-        if DV_CHUNKS == 2:
-            acc_hi = tl.dot(
-                p, kv_nope_hi.to(V_DTYPE), acc_hi * rescale[:, None], input_precision="ieee"
-            )
-        running_max = new_max
 
     # Which rows may see a key whose block id is bad: the first key of [start, end) in such a
     # column, found once per page here (the ids are in cache by now) rather than once per

@@ -194,3 +194,23 @@ def test_merge_partials_past_2_pow_31_elements():
     ref_out, ref_lse = torch_merge_states(outs, lses)
     torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+@pytest.mark.parametrize(("key", "seen_from"), [(31, 2), (32, 3), (29, 0), (3, 0)])
+def test_a_non_finite_v_element_reaches_only_the_window_queries_that_see_its_key(
+    splits, value, key, seen_from
+):
+    """4 heads x S_q 4 in one 16-row group over 16-key tiles: request 0 (33 keys) has its
+    window's keys (30-32) in tiles 1 and 2, which take the V guard, and tile 0 is walked
+    without it; query i sees keys below 30 + i. A non-finite V element poisons exactly the
+    queries that see its key, whichever loop reads it."""
+    q, kv, bt, lens = make_paged_problem([33, 50], num_heads=4, q_len=4, block_size=16, seed=3)
+    q, kv, bt, lens = q.to(DEVICE), kv.to(DEVICE), bt.to(DEVICE), lens.to(DEVICE)
+    ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
+    kv[int(bt[0, key // 16]), key % 16, 7] = value
+    out, lse = decode(q, kv, bt, lens, splits=splits)
+    poisoned = torch.zeros(lse.shape, dtype=torch.bool)
+    poisoned[0, seen_from:] = True
+    assert_rows(out, lse, poisoned, ref_out, ref_lse)
