@@ -564,7 +564,9 @@ def read_amdgcn_loop(text: str) -> dict:
 
 
 _TENSOR = re.compile(r"tensor<([0-9x]+)x[A-Za-z0-9!.<>]+?[,>]")
-_MEMDESC_ALLOC = re.compile(r"= ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<([0-9x]+)x")
+_MEMDESC_ALLOC = re.compile(
+    r"(%[\w#]+) = ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<([0-9x]+)x"
+)
 
 
 def _dims(text: str) -> tuple[int, ...]:
@@ -586,16 +588,25 @@ def read_ttgir(text: str) -> dict:
             start, _ = stack.pop()
             loops.append((start, i))
     dots = ("tt.dot ", "ttng.warp_group_dot ", "tt.dot_scaled ")
+    # The first of the loops with the most dots: the KV walk (a causal verify window's
+    # guarded tail, a copy of it for its last tiles, comes after it).
     main = max(
         loops,
         key=lambda span: sum(any(d in lines[j] for d in dots) for j in range(*span)),
         default=None,
     )
-    allocs = [_dims(m.group(1)) for m in _MEMDESC_ALLOC.finditer(text)]
-    facts: dict = {"multi_buffer_allocs": [list(a) for a in allocs], "loop_found": main is not None}
+    allocs = [(m.group(1), _dims(m.group(2))) for m in _MEMDESC_ALLOC.finditer(text)]
+    facts: dict = {
+        "multi_buffer_allocs": [list(dims) for _, dims in allocs],
+        "loop_found": main is not None,
+    }
     if main is None:
         return facts
     body = lines[main[0] : main[1] + 1]
+    # The buffers the main loop itself uses (another loop, e.g. a verify window's guarded
+    # tail, may have its own).
+    used = set(re.findall(r"%[\w#]+", "\n".join(body)))
+    facts["multi_buffer_allocs"] = [list(dims) for name, dims in allocs if name in used]
     ops = []
     for line in body:
         match = re.match(r"\s*(%[\w#:]+)(?:, %[\w#]+)* = ([\w.]+)(.*)", line)

@@ -198,10 +198,15 @@ class TestReaders:
             "    }",
         ]
         header = [
-            "  %buf0 = ttg.local_alloc : () -> !ttg.memdesc<2x64x512xbf16, #s, #smem, mutable>"
+            "  %buf = ttg.local_alloc : () -> !ttg.memdesc<2x64x512xbf16, #s, #smem, mutable>"
         ]
         facts = ks._kv_facts(ks.read_ttgir("\n".join(header + loop)), block_n=64)
         assert facts["kv_buffers"] == 2
+        # A buffer the main loop does not use (another loop's) says nothing about it.
+        other = "  %buf9 = ttg.local_alloc : () -> !ttg.memdesc<1x64x512xbf16, #s, #smem, mutable>"
+        assert (
+            ks._kv_facts(ks.read_ttgir("\n".join([*header, other, *loop])), 64)["kv_buffers"] == 2
+        )
         assert facts["kv_round_trips"] == ["ttg.local_alloc"] and facts["guard_on_smem_tile"]
         clean = [line for line in loop if "local_alloc" not in line]
         facts = ks._kv_facts(ks.read_ttgir("\n".join(header + clean)), block_n=64)
