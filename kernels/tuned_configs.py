@@ -201,13 +201,15 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
         # No row-owned fp8 entry: at 32 keys (the fp8 MFMA's K for P.V) every row-owned group
         # but H128 S_q 1 spills 20-406 VGPRs in Triton 3.9 (bench static); replicated Q.K^T
         # on fp8 MFMA is the cheaper waste.
+        # Two stages (the next tile in registers, one LDS slot): with three, the 32-row
+        # groups of a causal verify window (H12 S_q 8, H24 S_q 4) spill 2 VGPRs.
         **_row_owned(
             "gfx942",
             bf16=LaunchConfig(
                 block_h=64,
                 block_n=16,
                 num_warps=4,
-                num_stages=3,
+                num_stages=2,
                 dv_chunks=2,
                 num_xcds=8,
                 kpack=2,
