@@ -184,7 +184,7 @@ def test_fuzz_triton_against_torch(lengths, heads, q_len, block, splits, causal,
 def test_split_heuristic_bounds():
     cus = 304
     assert kernel.choose_num_kv_splits(8, 1, 0.0, 0, cus) == 1
-    assert kernel.choose_num_kv_splits(8, 1, 100.0, 300, cus) == 1  # < 2 x 256 keys
+    assert kernel.choose_num_kv_splits(8, 1, 100.0, 200, cus) == 1  # < 2 x 128 keys
     for batch, groups, length in [(1, 1, 32768), (1, 8, 4096), (32, 1, 16384), (128, 8, 1024)]:
         splits = kernel.choose_num_kv_splits(batch, groups, float(length), length, cus)
         assert 1 <= splits <= kernel.MAX_SPLITS
