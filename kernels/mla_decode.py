@@ -704,54 +704,20 @@ def _mla_decode_stage1(
         next_block = tl.load(block_row + next_pos // PAGE_SIZE, mask=next_pos < end, other=0)
     else:
         next_block = tl.zeros([BLOCK_N], tl.int32)
-    if CAUSAL and Q_LEN > 1:
-        # Rows of one verify window see different keys: a key only later rows see has weight
-        # 0 in the earlier ones, and 0 x NaN (a non-finite V element) would still reach them.
-        # Only keys from the window's first one on (L - S_q + 1) are seen by some rows and
-        # not others; the tiles below it go through the loop without that guard, so their
-        # V tiles never make a round trip through registers.
+    # Rows of one verify window see different keys: a key only later rows see has weight 0
+    # in the earlier ones, and 0 x NaN (a non-finite V element) would still reach them. Only
+    # keys from the window's first one on (L - S_q + 1) are seen by some rows and not others:
+    # the tiles below it are walked without that guard (walk 0), so their V tiles never
+    # make a round trip through registers, and the rest with it (walk 1).
+    WINDOW: tl.constexpr = CAUSAL and Q_LEN > 1
+    if WINDOW:
         # Compared first, so that L - S_q + 1 cannot wrap at L near -2^31.
         window = tl.where(seqlen > Q_LEN - 1, seqlen - (Q_LEN - 1), 0)
         shared_tiles = tl.minimum(tl.maximum(window - start, 0) // BLOCK_N, num_tiles)
     else:
         shared_tiles = num_tiles
-    for tile in range(0, shared_tiles):
-        running_max, denom, acc, acc_hi, next_block = _attend_tile(
-            start + tile * BLOCK_N,
-            end,
-            block_row,
-            kv_ptr,
-            num_blocks,
-            stride_kv_block,
-            stride_kv_token,
-            q_nope,
-            q_rope,
-            q_nope_hi,
-            row_scale,
-            visible,
-            running_max,
-            denom,
-            acc,
-            acc_hi,
-            next_block,
-            HEAD_DIM_V,
-            ROPE_DIM,
-            PAGE_SIZE,
-            BLOCK_N,
-            BLOCK_DV,
-            DV_CHUNKS,
-            BLOCK_DR,
-            K_DTYPE,
-            V_DTYPE,
-            PV_FP8,
-            FP8_DTYPE,
-            FP8_EMULATE_MIN_EXP,
-            P_SCALE,
-            PREFETCH_IDS,
-            False,
-        )
-    if CAUSAL and Q_LEN > 1:
-        for tile in range(shared_tiles, num_tiles):
+    for walk in tl.static_range(1 + WINDOW):
+        for tile in range(shared_tiles * walk, shared_tiles + (num_tiles - shared_tiles) * walk):
             running_max, denom, acc, acc_hi, next_block = _attend_tile(
                 start + tile * BLOCK_N,
                 end,
@@ -784,7 +750,7 @@ def _mla_decode_stage1(
                 FP8_EMULATE_MIN_EXP,
                 P_SCALE,
                 PREFETCH_IDS,
-                True,
+                walk == 1,
             )
 
     # Which rows may see a key whose block id is bad: the first key of [start, end) in such a
