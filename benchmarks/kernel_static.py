@@ -452,7 +452,7 @@ def _sass_matrix_shape(opcode: str) -> tuple[int, int, int, str] | None:
 
 
 def read_sass_loop(sass: str) -> dict:
-    """Counts in the body of the backward branch (a loop) that holds the most matrix ops."""
+    """Counts in the body of the first backward branch (a loop) with the most matrix ops."""
     instructions = [
         (int(m.group(1), 16), m.group(2), m.group(3)) for m in _SASS_LINE.finditer(sass)
     ]
@@ -461,11 +461,17 @@ def read_sass_loop(sass: str) -> dict:
         target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
         if target is not None and int(target.group(1), 16) < addr:
             body = [op for a, op, _ in instructions if int(target.group(1), 16) <= a <= addr]
+            if "EXIT" in body:
+                # Not a loop: a divergent-branch fallback placed after the kernel's end
+                # (``BRA.DIV``) jumps back to where it left.
+                continue
             matrix = sum(_sass_matrix_shape(op) is not None for op in body)
-            loops.append((matrix, len(body), body))
+            loops.append((matrix, -addr, body))
     if not loops:
         return {"found": False}
-    _, _, body = max(loops)
+    # The first of the loops with the most matrix ops, as in the TTGIR (a verify window's
+    # walk over the tiles every row sees comes first).
+    _, _, body = max(loops, key=lambda loop: loop[:2])
     matrix: dict[str, int] = {}
     counts = dict.fromkeys(_SASS_COUNTED, 0)
     for op in body:

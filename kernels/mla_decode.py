@@ -422,6 +422,61 @@ def _to_fp8(x, FP8_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, EMULATE_MIN_EXP
 
 
 @triton.jit
+def _fold_scores(
+    scores,
+    scores_rope,
+    pos,
+    row_scale,
+    visible,
+    running_max,
+    denom,
+    MASKED: tl.constexpr,
+    ROWS_DIFFER: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
+    V_DTYPE: tl.constexpr,
+    PV_FP8: tl.constexpr,
+    FP8_DTYPE: tl.constexpr,
+    FP8_EMULATE_MIN_EXP: tl.constexpr,
+    P_SCALE: tl.constexpr,
+):
+    """The online-softmax step of one tile's scores: ``(running_max, denom, rescale, p)``.
+
+    ``MASKED``: some keys of the tile are past ``visible`` (one limit per row with
+    ``ROWS_DIFFER``, else one for all); without it every key is seen by every row.
+    ``ROW_SCALES``: ``row_scale`` is per row (fp8 Q), else one scalar."""
+    if ROW_SCALES:
+        scores = scores * row_scale[:, None] + scores_rope * row_scale[:, None]
+    else:
+        scores = scores * row_scale + scores_rope * row_scale
+    if not MASKED:
+        seen_key = tl.full([1, 1], 1, tl.int1)
+    elif ROWS_DIFFER:
+        seen_key = pos[None, :] < visible[:, None]
+    else:
+        seen_key = (pos < visible)[None, :]
+    # A NaN or infinite score of a visible key (NaN/Inf in q or the cache, an overflowing
+    # scale) must not pass for "no key" or weight 0: it poisons the row's denominator,
+    # hence its out and lse. A comparison, not s - s, which FMA contraction may break.
+    nonfinite = tl.where(seen_key & (tl.abs(scores) < float("inf")), 0.0, 1.0)
+    nonfinite = tl.where(seen_key, nonfinite, 0.0)
+    poison = tl.where(tl.max(nonfinite, axis=1) > 0, float("nan"), 0.0)
+    scores = tl.where(seen_key, scores, float("-inf"))
+
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    # Rows that have seen no key yet keep weight 0 without ever computing inf - inf.
+    ref = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp2(running_max - ref)
+    weights = tl.exp2(scores - ref[:, None])
+    denom = denom * rescale + tl.sum(weights, axis=1) + poison
+    # Weights are <= 1; P_SCALE lifts them off fp8's subnormal floor (undone in out_scale).
+    if PV_FP8:
+        p = _to_fp8(weights * P_SCALE, FP8_DTYPE, V_DTYPE, FP8_EMULATE_MIN_EXP)
+    else:
+        p = weights.to(V_DTYPE)
+    return new_max, denom, rescale, p
+
+
+@triton.jit
 def _attend_tile(
     first,  # the tile's first key position
     end,
@@ -455,11 +510,18 @@ def _attend_tile(
     P_SCALE: tl.constexpr,
     PREFETCH_IDS: tl.constexpr,
     GUARD_V: tl.constexpr,
+    ROWS_DIFFER: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """One KV tile of stage 1's walk: load it, fold it into the online softmax state.
 
     ``GUARD_V``: zero non-finite V elements first (tiles some rows of a verify window see
-    and others do not). Returns ``(running_max, denom, acc, acc_hi, next_block)``."""
+    and others do not). ``MASKED``: the tile may hold keys past ``end`` or past a row's
+    limit (masked loads and scores); without it (the tiles below a verify window, which
+    every row sees whole) nothing is masked. ``visible``: the per-row key limits with
+    ``ROWS_DIFFER``, else the scalar ``end``. Returns ``(running_max, denom, acc, acc_hi,
+    next_block)``."""
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
     dv_mask = offs_dv < HEAD_DIM_V
@@ -468,14 +530,25 @@ def _attend_tile(
     pos = first + tl.arange(0, BLOCK_N)
     # pos < end <= capacity: every column read from the table is below max_blocks.
     in_range = pos < end
-    if PREFETCH_IDS:
+    # A tile inside one page (tiles start at multiples of BLOCK_N): one block id per tile.
+    TILE_IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
+    if TILE_IN_PAGE:
+        if PREFETCH_IDS:
+            block = next_block
+            ahead = first < end - BLOCK_N
+            next_block = tl.load(block_row + (first + BLOCK_N) // PAGE_SIZE, mask=ahead, other=0)
+        else:
+            block = tl.load(block_row + first // PAGE_SIZE)
+    elif PREFETCH_IDS:
         block = next_block
         # The mask compares without pos + BLOCK_N, which may wrap past 2^31 - 1 in lanes
         # it drops.
         ahead = pos < end - BLOCK_N
         next_block = tl.load(block_row + (pos + BLOCK_N) // PAGE_SIZE, mask=ahead, other=0)
-    else:
+    elif MASKED:
         block = tl.load(block_row + pos // PAGE_SIZE, mask=in_range, other=0)
+    else:
+        block = tl.load(block_row + pos // PAGE_SIZE)
     # A bad id (as uint32 a negative one is above 2^31) is clamped to the last block for
     # the address only, so every load stays inside kv_cache; the rows that may see such
     # a key are poisoned after the loop whatever it read (first_bad). Cheaper than a
@@ -483,54 +556,67 @@ def _attend_tile(
     # num_blocks) so the offset math stays what it was.
     block = tl.minimum(block.to(tl.uint32, bitcast=True), num_blocks - 1)
     block = block.to(tl.int32, bitcast=True)
-    token = (
-        kv_ptr
-        + block.to(tl.int64) * stride_kv_block
-        + (pos % PAGE_SIZE).to(tl.int64) * stride_kv_token
-    )
+    if TILE_IN_PAGE:
+        token = (
+            kv_ptr
+            + block.to(tl.int64) * stride_kv_block
+            + (first % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kv_token
+        )
+    else:
+        token = (
+            kv_ptr
+            + block.to(tl.int64) * stride_kv_block
+            + (pos % PAGE_SIZE).to(tl.int64) * stride_kv_token
+        )
     # Masked loads: slots past a request's length may hold NaN, and NaN * 0 is NaN, so
     # they must never enter a product, not even with a zero weight.
+    key_mask = in_range[:, None] if MASKED else tl.full([BLOCK_N, 1], 1, tl.int1)
     kv_nope = tl.load(
-        token[:, None] + offs_dv[None, :],
-        mask=in_range[:, None] & dv_mask[None, :],
-        other=0.0,
+        token[:, None] + offs_dv[None, :], mask=key_mask & dv_mask[None, :], other=0.0
     )
     kv_rope = tl.load(
-        token[:, None] + HEAD_DIM_V + offs_dr[None, :],
-        mask=in_range[:, None] & dr_mask[None, :],
-        other=0.0,
+        token[:, None] + HEAD_DIM_V + offs_dr[None, :], mask=key_mask & dr_mask[None, :], other=0.0
     )
     # "ieee": fp32 tiles must not be rounded to tf32 (16-bit and fp8 inputs are exact).
     scores = tl.dot(q_nope, tl.trans(kv_nope.to(K_DTYPE)), input_precision="ieee")
     if DV_CHUNKS == 2:
         kv_nope_hi = tl.load(
             token[:, None] + BLOCK_DV + offs_dv[None, :],
-            mask=in_range[:, None] & dv_mask_hi[None, :],
+            mask=key_mask & dv_mask_hi[None, :],
             other=0.0,
         )
         scores = tl.dot(q_nope_hi, tl.trans(kv_nope_hi.to(K_DTYPE)), scores, input_precision="ieee")
-    scores = tl.dot(q_rope, tl.trans(kv_rope.to(K_DTYPE)), scores, input_precision="ieee")
-    scores = scores * row_scale[:, None]
-    seen_key = pos[None, :] < visible[:, None]
-    # A NaN or infinite score of a visible key (NaN/Inf in q or the cache, an overflowing
-    # scale) must not pass for "no key" or weight 0: it poisons the row's denominator,
-    # hence its out and lse. A comparison, not s - s, which FMA contraction may break.
-    nonfinite = tl.where(seen_key & (tl.abs(scores) < float("inf")), 0.0, 1.0)
-    nonfinite = tl.where(seen_key, nonfinite, 0.0)
-    poison = tl.where(tl.max(nonfinite, axis=1) > 0, float("nan"), 0.0)
-    scores = tl.where(seen_key, scores, float("-inf"))
-
-    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    # Rows that have seen no key yet keep weight 0 without ever computing inf - inf.
-    ref = tl.where(new_max == float("-inf"), 0.0, new_max)
-    rescale = tl.exp2(running_max - ref)
-    weights = tl.exp2(scores - ref[:, None])
-    denom = denom * rescale + tl.sum(weights, axis=1) + poison
-    # Weights are <= 1; P_SCALE lifts them off fp8's subnormal floor (undone in out_scale).
-    if PV_FP8:
-        p = _to_fp8(weights * P_SCALE, FP8_DTYPE, V_DTYPE, FP8_EMULATE_MIN_EXP)
+    scores_rope = tl.dot(q_rope, tl.trans(kv_rope.to(K_DTYPE)), input_precision="ieee")
+    # The softmax step sits in a branch (always taken: the walk stops at ``end``) so that
+    # no dot depends on the score dots within one block of code. Triton lays the warps of
+    # a dot whose result reaches another dot along M only ([8, 1] on sm90): a 64-row tile
+    # then has both warpgroups compute the whole Q.K^T. Past a region boundary it sees no
+    # chain, gives Q.K^T [4, 2] (each warpgroup its 32 keys) and shares P through shared
+    # memory, as FlashMLA does. The two score dots stay separate (summed in the branch) for
+    # the same reason. The other branch yields no constant tile (that would take 8 KB of
+    # shared memory for its P operand).
+    if first < end:
+        new_max, denom, rescale, p = _fold_scores(
+            scores,
+            scores_rope,
+            pos,
+            row_scale,
+            visible,
+            running_max,
+            denom,
+            MASKED,
+            ROWS_DIFFER,
+            ROW_SCALES,
+            V_DTYPE,
+            PV_FP8,
+            FP8_DTYPE,
+            FP8_EMULATE_MIN_EXP,
+            P_SCALE,
+        )
     else:
-        p = weights.to(V_DTYPE)
+        new_max = running_max
+        rescale = tl.zeros_like(running_max) + 1.0
+        p = (scores * 0.0).to(V_DTYPE)
     if GUARD_V:
         # The rows that do see a non-finite key are already poisoned through their scores.
         kv_nope = tl.where(
@@ -573,11 +659,9 @@ def _mla_decode_stage1(
     stride_bt_b,
     stride_out_split,
     stride_out_b,
-    stride_out_i,
     stride_out_h,
     stride_lse_split,
     stride_lse_b,
-    stride_lse_i,
     stride_lse_h,
     Q_LEN: tl.constexpr,
     NUM_HEADS: tl.constexpr,
@@ -678,7 +762,7 @@ def _mla_decode_stage1(
                 q_nope_hi / q_quant[:, None], FP8_DTYPE, K_DTYPE, FP8_EMULATE_MIN_EXP
             )
     else:
-        row_scale = tl.zeros([BLOCK_H], tl.float32) + qk_scale
+        row_scale = qk_scale
         q_nope = q_nope.to(K_DTYPE)
         q_rope = q_rope.to(K_DTYPE)
         if DV_CHUNKS == 2:
@@ -695,25 +779,53 @@ def _mla_decode_stage1(
         q_nope_hi = tl.zeros([1], tl.float32)
     block_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
     end = end.to(tl.int32)
+    # Which rows may see a key whose block id is bad: the first key of [start, end) in such a
+    # column, found once per page before the walk rather than once per key in it. Counted
+    # in steps, written to stay clear of int32 wrap near 2^31.
+    first_bad = tl.full([_BLOCK_C], 2**31 - 1, tl.int32)
+    col_start = start // PAGE_SIZE
+    col_end = tl.where(end > start, (end - 1) // PAGE_SIZE + 1, col_start)
+    for step in range(0, tl.cdiv(col_end - col_start, _BLOCK_C)):
+        cols = col_start + step * _BLOCK_C + tl.arange(0, _BLOCK_C)
+        ids = tl.load(block_row + cols, mask=cols < col_end, other=0)
+        bad = (cols < col_end) & (ids.to(tl.uint32, bitcast=True) >= num_blocks)
+        first_bad = tl.minimum(
+            first_bad, tl.where(bad, tl.maximum(cols * PAGE_SIZE, start), 2**31 - 1)
+        )
+    first_bad = tl.min(first_bad, axis=0)
+    unreadable = (first_bad < visible) | beyond_table
+    # Their denominators start as NaN (a NaN denom stays NaN through the walk): nothing
+    # of this scan stays live through the loop.
+    denom = tl.where(unreadable, float("nan"), denom)
+    if HAS_FAULT_FLAG:
+        faults = tl.where(first_bad < 2**31 - 1, _FAULT_BLOCK_ID, 0)
+        beyond = tl.max(beyond_table.to(tl.int32), axis=0) > 0
+        faults = faults | tl.where(beyond, _FAULT_BEYOND_TABLE, 0)
+        tl.atomic_or(fault_ptr, faults, mask=faults != 0)
 
     # PREFETCH_IDS: the block ids of each tile are loaded one trip ahead (loop-carried), so
     # the KV loads of a trip depend on no load of that trip and Triton's software pipeliner
     # gives them their own LDS buffers (AMD's stays single-buffered otherwise).
     next_pos = start + tl.arange(0, BLOCK_N)
     if PREFETCH_IDS:
-        next_block = tl.load(block_row + next_pos // PAGE_SIZE, mask=next_pos < end, other=0)
+        if PAGE_SIZE % BLOCK_N == 0:
+            next_block = tl.load(block_row + start // PAGE_SIZE, mask=start < end, other=0)
+        else:
+            next_block = tl.load(block_row + next_pos // PAGE_SIZE, mask=next_pos < end, other=0)
     else:
         next_block = tl.zeros([BLOCK_N], tl.int32)
     # Rows of one verify window see different keys: a key only later rows see has weight 0
     # in the earlier ones, and 0 x NaN (a non-finite V element) would still reach them. Only
     # keys from the window's first one on (L - S_q + 1) are seen by some rows and not others:
-    # the tiles below it are walked without that guard (walk 0), so their V tiles never
-    # make a round trip through registers, and the rest with it (walk 1).
+    # the whole tiles below it are walked without that guard and without any mask (walk 0),
+    # so their V tiles never make a round trip through registers, and the rest with both
+    # (walk 1). Without a window one masked walk (an unmasked walk of the whole tiles plus
+    # the last one apart costs AMD VGPRs in Triton 3.9 and saves sm90 none that matter).
     WINDOW: tl.constexpr = CAUSAL and Q_LEN > 1
     if WINDOW:
         # Compared first, so that L - S_q + 1 cannot wrap at L near -2^31.
         window = tl.where(seqlen > Q_LEN - 1, seqlen - (Q_LEN - 1), 0)
-        shared_tiles = tl.minimum(tl.maximum(window - start, 0) // BLOCK_N, num_tiles)
+        shared_tiles = tl.minimum(tl.maximum(window - start, 0), end - start) // BLOCK_N
     else:
         shared_tiles = num_tiles
     for walk in tl.static_range(1 + WINDOW):
@@ -730,7 +842,7 @@ def _mla_decode_stage1(
                 q_rope,
                 q_nope_hi,
                 row_scale,
-                visible,
+                visible if WINDOW else end,
                 running_max,
                 denom,
                 acc,
@@ -750,30 +862,12 @@ def _mla_decode_stage1(
                 FP8_EMULATE_MIN_EXP,
                 P_SCALE,
                 PREFETCH_IDS,
-                walk == 1,
+                WINDOW and walk == 1,
+                WINDOW,
+                QK_FP8,
+                not WINDOW or walk == 1,
             )
 
-    # Which rows may see a key whose block id is bad: the first key of [start, end) in such a
-    # column, found once per page here (the ids are in cache by now) rather than once per
-    # key in the loop. Counted in steps, written to stay clear of int32 wrap near 2^31.
-    first_bad = tl.full([_BLOCK_C], 2**31 - 1, tl.int32)
-    col_start = start // PAGE_SIZE
-    col_end = tl.where(end > start, (end - 1) // PAGE_SIZE + 1, col_start)
-    for step in range(0, tl.cdiv(col_end - col_start, _BLOCK_C)):
-        cols = col_start + step * _BLOCK_C + tl.arange(0, _BLOCK_C)
-        ids = tl.load(block_row + cols, mask=cols < col_end, other=0)
-        bad = (cols < col_end) & (ids.to(tl.uint32, bitcast=True) >= num_blocks)
-        first_bad = tl.minimum(
-            first_bad, tl.where(bad, tl.maximum(cols * PAGE_SIZE, start), 2**31 - 1)
-        )
-    first_bad = tl.min(first_bad, axis=0)
-    unreadable = (first_bad < visible) | beyond_table
-    denom = denom + tl.where(unreadable, float("nan"), 0.0)
-    if HAS_FAULT_FLAG:
-        faults = tl.where(first_bad < 2**31 - 1, _FAULT_BLOCK_ID, 0)
-        beyond = tl.max(beyond_table.to(tl.int32), axis=0) > 0
-        faults = faults | tl.where(beyond, _FAULT_BEYOND_TABLE, 0)
-        tl.atomic_or(fault_ptr, faults, mask=faults != 0)
     # Only denom == 0 means "no visible key"; a poisoned (NaN) denom makes out and lse NaN.
     empty = denom == 0
     safe_denom = tl.where(empty, 1.0, denom)
@@ -785,39 +879,73 @@ def _mla_decode_stage1(
         out_ptr
         + split.to(tl.int64) * stride_out_split
         + b.to(tl.int64) * stride_out_b
-        + qpos * stride_out_i
-        + head * stride_out_h
+        + rows.to(tl.int64) * stride_out_h
     )
     out = tl.where(empty[:, None], 0.0, acc * norm[:, None])
-    tl.store(out_rows[:, None] + offs_dv[None, :], out, mask=row_valid[:, None] & dv_mask[None, :])
+    # Masks written apart from the q loads' (which CSE would merge and keep live through
+    # the walk), and none where every row and column is real.
+    FULL_ROWS: tl.constexpr = Q_LEN * NUM_HEADS % BLOCK_H == 0
+    if FULL_ROWS and HEAD_DIM_V == BLOCK_DV * DV_CHUNKS:
+        tl.store(out_rows[:, None] + offs_dv[None, :], out)
+    else:
+        tl.store(
+            out_rows[:, None] + offs_dv[None, :], out, mask=dv_mask[None, :] & row_valid[:, None]
+        )
     if DV_CHUNKS == 2:
         out_hi = tl.where(empty[:, None], 0.0, acc_hi * norm[:, None])
-        tl.store(
-            out_rows[:, None] + BLOCK_DV + offs_dv[None, :],
-            out_hi,
-            mask=row_valid[:, None] & dv_mask_hi[None, :],
-        )
+        if FULL_ROWS and HEAD_DIM_V == BLOCK_DV * DV_CHUNKS:
+            tl.store(out_rows[:, None] + BLOCK_DV + offs_dv[None, :], out_hi)
+        else:
+            tl.store(
+                out_rows[:, None] + BLOCK_DV + offs_dv[None, :],
+                out_hi,
+                mask=dv_mask_hi[None, :] & row_valid[:, None],
+            )
     lse_rows = (
         lse_ptr
         + split.to(tl.int64) * stride_lse_split
         + b.to(tl.int64) * stride_lse_b
-        + qpos * stride_lse_i
-        + head * stride_lse_h
+        + rows.to(tl.int64) * stride_lse_h
     )
-    tl.store(lse_rows, lse, mask=row_valid)
+    if FULL_ROWS:
+        tl.store(lse_rows, lse)
+    else:
+        tl.store(lse_rows, lse, mask=row_valid)
 
 
 def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
     """``config`` with BLOCK_H fitted to a problem of ``rows`` (S_q x H) query rows.
 
     Fewer rows than BLOCK_H: BLOCK_H shrinks to the next power of two (at least 16, the
-    smallest M a GPU dot takes; padded rows are masked). With ``rows_per_warp`` BLOCK_H and
-    num_warps shrink together to the BLOCK_H that pads the fewest rows (ties: the larger),
-    e.g. 96 rows run as three 32-row groups of 2 waves rather than two 64-row groups; at
-    least two waves.
+    smallest M a GPU dot takes; padded rows are masked). From 64 rows on (compute-bound)
+    BLOCK_H may shrink to a half or a quarter where that pads fewer rows. With
+    ``rows_per_warp`` BLOCK_H and num_warps shrink together to the BLOCK_H that pads the
+    fewest rows (ties: the larger), e.g. 96 rows run as three 32-row groups of 2 waves
+    rather than two 64-row groups; at least two waves. A shrunk group takes the config's
+    ``shrunk_*`` options where set.
     """
+    shrunk = {
+        "num_stages": config.num_stages
+        if config.shrunk_num_stages is None
+        else config.shrunk_num_stages,
+        "prefetch_ids": config.prefetch_ids
+        if config.shrunk_prefetch_ids is None
+        else config.shrunk_prefetch_ids,
+    }
     if config.rows_per_warp is None:
-        return replace(config, block_h=max(16, min(config.block_h, triton.next_power_of_2(rows))))
+        block_h = max(16, min(config.block_h, triton.next_power_of_2(rows)))
+        # A compute-bound request (>= 64 rows) pads the fewest rows (ties: the larger
+        # BLOCK_H), e.g. 96 rows as three 32-row groups: padded rows cost issue slots there,
+        # one more read of each KV tile (from L2, by the programs next to it) does not.
+        if rows >= 64:
+            for smaller in (block_h // 2, block_h // 4):
+                if smaller >= 16 and triton.cdiv(rows, smaller) * smaller < (
+                    triton.cdiv(rows, block_h) * block_h
+                ):
+                    block_h = smaller
+        if block_h < config.block_h:
+            return replace(config, block_h=block_h, **shrunk)
+        return config
     best = config.block_h
     block_h = config.block_h
     # Never a single wave: a one-wave group (16 rows) of a causal verify window spills VGPRs
@@ -827,7 +955,9 @@ def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
         if triton.cdiv(rows, block_h) * block_h < triton.cdiv(rows, best) * best:
             best = block_h
         block_h //= 2
-    return replace(config, block_h=best, num_warps=best // config.rows_per_warp)
+    if best < config.block_h:
+        return replace(config, block_h=best, num_warps=best // config.rows_per_warp, **shrunk)
+    return config
 
 
 def plan_launch(
@@ -984,6 +1114,14 @@ def _stage1_arguments(
     # Two V halves only when each half is still a whole dot tile.
     dv_chunks = config.dv_chunks if padded_dv >= 32 else 1
     grid = (q.shape[0] * num_groups * num_kv_splits,)
+    # Stage 1 addresses an output row (query i, head h) as row i x H + h: the buffers are
+    # ours, allocated [splits, B, S_q, H(, Dv)] with S_q and H adjacent.
+    for name, buffer in (("part_out", part_out), ("part_lse", part_lse)):
+        if buffer.stride(2) != num_heads * buffer.stride(3):
+            raise RuntimeError(
+                f"_stage1_arguments: {name} must hold S_q and H adjacent (stride(2) == H x "
+                f"stride(3)), got strides {buffer.stride()}"
+            )
     args = (
         q,
         kv_cache,
@@ -1007,11 +1145,9 @@ def _stage1_arguments(
         block_table.stride(0),
         part_out.stride(0),
         part_out.stride(1),
-        part_out.stride(2),
         part_out.stride(3),
         part_lse.stride(0),
         part_lse.stride(1),
-        part_lse.stride(2),
         part_lse.stride(3),
     )
     kwargs = dict(

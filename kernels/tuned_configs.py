@@ -58,6 +58,12 @@ class LaunchConfig:
     #: Load each tile's block ids one loop trip ahead, so the KV loads can be pipelined into
     #: ``num_stages - 1`` LDS / shared buffers (costs the registers of one more id vector).
     prefetch_ids: bool = False
+    #: ``num_stages`` / ``prefetch_ids`` of a group ``mla_decode`` shrinks BLOCK_H for (fewer
+    #: rows, or fewer padded ones), where they differ (None: the same). sm90: a group under
+    #: 64 rows runs mma.sync, whose KV copies get a second buffer one stage later than
+    #: wgmma's, and only with the ids a trip ahead.
+    shrunk_num_stages: int | None = None
+    shrunk_prefetch_ids: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n"):
@@ -66,6 +72,10 @@ class LaunchConfig:
                 raise ValueError(f"LaunchConfig: {name} must be a power of two >= 16, got {value}")
         if self.dv_chunks not in (1, 2):
             raise ValueError(f"LaunchConfig: dv_chunks must be 1 or 2, got {self.dv_chunks}")
+        if self.shrunk_num_stages is not None and self.shrunk_num_stages < 1:
+            raise ValueError(
+                f"LaunchConfig: shrunk_num_stages must be >= 1, got {self.shrunk_num_stages}"
+            )
         if self.num_warps < 1 or self.num_stages < 1 or self.num_xcds < 1:
             raise ValueError(f"LaunchConfig: num_warps, num_stages, num_xcds must be >= 1: {self}")
         if self.rows_per_warp is not None and (
@@ -111,11 +121,6 @@ Key = tuple[str, str, str]  # (heads bucket or "*", S_q bucket or "*", kv kind o
 
 _AMD_KNOBS = {"waves_per_eu": 1, "matrix_instr_nonkdim": 16}
 
-_SWEEP_H200 = (
-    "measured: issue 17 launch sweep on one H200 (bf16 KV, S_q 1, H 16 and 128, block 64): "
-    "best everywhere; H16 runs it with 16 rows"
-)
-
 
 def _row_owned(
     arch: str, *, bf16: LaunchConfig, fp8: LaunchConfig | None = None
@@ -140,16 +145,22 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
     # Hopper: 228 KB of shared memory per SM and wgmma wants M = 64. 8 warps split the
     # [64, 512] fp32 accumulator over two warpgroups (128 registers a thread).
     "sm90": {
+        # 64 rows (wgmma): two stages, so the next tile's copies are issued while this one
+        # is computed (two smem buffers, 224 KB with Q and P). 16 or 32 rows (mma.sync):
+        # three, with the block ids a trip ahead (else one buffer is all the pipeliner
+        # makes).
         ("*", "*", "16bit"): TableEntry(
-            LaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=3), _SWEEP_H200
-        ),
-        # One 16-row group: the next tile's block ids are loaded a trip ahead, so its KV
-        # copies are issued two tiles ahead into their own smem buffers (without, the copy
-        # waits on the ids and one buffer is all the pipeliner makes). More rows spill.
-        ("16", "1", "16bit"): TableEntry(
-            LaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, prefetch_ids=True),
-            "unmeasured: the H200 sweep's winner with block ids one trip ahead; compiled for "
-            "sm90: two KV smem buffers, no spills",
+            LaunchConfig(
+                block_h=64,
+                block_n=64,
+                num_warps=8,
+                num_stages=2,
+                shrunk_num_stages=3,
+                shrunk_prefetch_ids=True,
+            ),
+            "unmeasured: the H200 sweep's winner (issue 17: 64 x 64, 8 warps) with the "
+            "stages set per group size; compiled for sm90: each warpgroup computes its own "
+            "32 keys of Q.K^T, two KV smem buffers",
         ),
         ("*", "*", "fp8"): TableEntry(
             LaunchConfig(

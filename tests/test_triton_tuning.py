@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
 
 import pytest
 import torch
@@ -89,23 +88,25 @@ def test_lookup_prefers_the_most_specific_entry():
     assert other.num_xcds == 1 and other.kpack is None and other.block_n == h16.block_n
 
 
-def test_sm90_takes_the_measured_sweep_winner_and_amd_is_marked_unmeasured():
-    for heads, q_len in ((16, 2), (32, 1), (128, 1)):
+def test_sm90_configs_per_group_size_and_amd_is_marked_unmeasured():
+    """sm90 bf16: the issue-17 sweep's 64 x 64 tile on 8 warps, two stages for a 64-row
+    (wgmma) group; a group shrunk under 64 rows (mma.sync) takes three stages with the block
+    ids a trip ahead. Both unmeasured in this form (compiled evidence only)."""
+    for heads, q_len, rows, stages, prefetch in (
+        (128, 1, 64, 2, False),
+        (128, 2, 64, 2, False),
+        (48, 1, 64, 2, False),
+        (16, 1, 16, 3, True),
+        (24, 1, 32, 3, True),
+        (96, 1, 32, 3, True),
+        (12, 8, 32, 3, True),
+    ):
         entry = kernel.table_entry(SM90, num_heads=heads, q_len=q_len, kv_dtype=torch.bfloat16)
-        config = entry.config
-        assert (config.block_h, config.block_n, config.num_warps, config.num_stages) == (
-            64,
-            64,
-            8,
-            3,
-        )
-        assert entry.source.startswith("measured") and not config.prefetch_ids
-    # One 16-row group: the same launch with the block ids a trip ahead, not measured yet.
-    entry = kernel.table_entry(SM90, num_heads=16, q_len=1, kv_dtype=torch.bfloat16)
-    assert entry.config == replace(
-        kernel.table_entry(SM90, num_heads=32, kv_dtype=torch.bfloat16).config, prefetch_ids=True
-    )
-    assert entry.source.startswith("unmeasured")
+        assert (entry.config.block_h, entry.config.block_n, entry.config.num_warps) == (64, 64, 8)
+        assert entry.source.startswith("unmeasured")
+        group = kernel._group_config(entry.config, heads * q_len)
+        assert (group.block_h, group.num_stages, group.prefetch_ids) == (rows, stages, prefetch)
+        assert group.num_warps == 8 and group.block_n == 64
     for key, table in tables.TABLES.items():
         if key in ("gfx942", "gfx950"):
             assert all(e.source.startswith("unmeasured") for e in table.values())
@@ -266,18 +267,23 @@ def test_planned_call_makes_no_device_to_host_transfer(monkeypatch):
 
 
 def _table_shape_classes():
-    """Distinct (rows, keys, Dv halves, fp8 dots, ids ahead) among all tables' entries, once."""
+    """Distinct (rows, keys, Dv halves, fp8 dots, ids ahead) among all tables' entries (and
+    their shrunk groups' options), once."""
     classes = {}
     for target_key, table in tables.TABLES.items():
         for key, entry in table.items():
             c = entry.config
-            shape = (c.block_h, c.block_n, c.dv_chunks, c.fp8_qk, c.fp8_pv, c.prefetch_ids)
-            classes.setdefault(shape, []).append((target_key, key))
+            for prefetch in {c.prefetch_ids, c.shrunk_prefetch_ids} - {None}:
+                shape = (c.block_h, c.block_n, c.dv_chunks, c.fp8_qk, c.fp8_pv, prefetch)
+                classes.setdefault(shape, []).append((target_key, key))
     return sorted(classes.items())
 
 
+@pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize(("shape", "where"), _table_shape_classes())
-def test_every_table_shape_class_matches_torch(shape, where):
+def test_every_table_shape_class_matches_torch(shape, where, page):
+    """Page 16: tiles of 32 or 64 keys span pages (a block id per key); page 64: tiles of 16
+    to 64 keys lie in one page (one block id per tile), several tiles per page."""
     block_h, block_n, dv_chunks, fp8_qk, fp8_pv, prefetch_ids = shape
     config = tables.LaunchConfig(
         block_h=block_h,
@@ -292,12 +298,14 @@ def test_every_table_shape_class_matches_torch(shape, where):
     # Enough rows that the group holds block_h of them (64 = 16 heads x 4 positions).
     heads, q_len = (16, block_h // 16)
     if fp8_qk or fp8_pv:
-        q, kv, bt, lens = prepared([70, 3], heads=heads, q_len=q_len, seed=block_n)
+        q, kv, bt, lens = prepared([70, 3], heads=heads, q_len=q_len, block=page, seed=block_n)
         kv8 = (kv / 0.25).to(torch.float8_e4m3fn)
         out, lse = run_kernel(q, kv8, bt, lens, config=config, splits=2, kv_scale=0.25)
         assert_fp8_dot_result(out, lse, q, kv8, bt, lens, 0.25, config)
         return
-    q, kv, bt, lens = prepared([70, 3], heads=heads, q_len=q_len, dtype=torch.float16, seed=7)
+    q, kv, bt, lens = prepared(
+        [70, 3], heads=heads, q_len=q_len, block=page, dtype=torch.float16, seed=7
+    )
     out, lse = run_kernel(q, kv, bt, lens, config=config, splits=2)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float16])
