@@ -918,7 +918,8 @@ def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
 
     Fewer rows than BLOCK_H: BLOCK_H shrinks to the next power of two (at least 16, the
     smallest M a GPU dot takes; padded rows are masked). From 64 rows on (compute-bound)
-    BLOCK_H may shrink to a half or a quarter where that pads fewer rows. With
+    BLOCK_H may shrink to a half or a quarter where that pads fewer rows; never below
+    ``min_block_h``. With
     ``rows_per_warp`` BLOCK_H and num_warps shrink together to the BLOCK_H that pads the
     fewest rows (ties: the larger), e.g. 96 rows run as three 32-row groups of 2 waves
     rather than two 64-row groups; at least two waves. A shrunk group takes the config's
@@ -933,13 +934,13 @@ def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
         else config.shrunk_prefetch_ids,
     }
     if config.rows_per_warp is None:
-        block_h = max(16, min(config.block_h, triton.next_power_of_2(rows)))
+        block_h = max(config.min_block_h, min(config.block_h, triton.next_power_of_2(rows)))
         # A compute-bound request (>= 64 rows) pads the fewest rows (ties: the larger
         # BLOCK_H), e.g. 96 rows as three 32-row groups: padded rows cost issue slots there,
         # one more read of each KV tile (from L2, by the programs next to it) does not.
         if rows >= 64:
             for smaller in (block_h // 2, block_h // 4):
-                if smaller >= 16 and triton.cdiv(rows, smaller) * smaller < (
+                if smaller >= config.min_block_h and triton.cdiv(rows, smaller) * smaller < (
                     triton.cdiv(rows, block_h) * block_h
                 ):
                     block_h = smaller

@@ -64,6 +64,8 @@ class LaunchConfig:
     #: wgmma's, and only with the ids a trip ahead.
     shrunk_num_stages: int | None = None
     shrunk_prefetch_ids: bool | None = None
+    #: BLOCK_H never shrinks below this (sm90 fp8: only wgmma has fp8 operands, M = 64).
+    min_block_h: int = 16
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n"):
@@ -75,6 +77,15 @@ class LaunchConfig:
         if self.shrunk_num_stages is not None and self.shrunk_num_stages < 1:
             raise ValueError(
                 f"LaunchConfig: shrunk_num_stages must be >= 1, got {self.shrunk_num_stages}"
+            )
+        if (
+            self.min_block_h < 16
+            or self.min_block_h & (self.min_block_h - 1)
+            or self.min_block_h > self.block_h
+        ):
+            raise ValueError(
+                "LaunchConfig: min_block_h must be a power of two in [16, block_h], got "
+                f"{self.min_block_h} (block_h={self.block_h})"
             )
         if self.num_warps < 1 or self.num_stages < 1 or self.num_xcds < 1:
             raise ValueError(f"LaunchConfig: num_warps, num_stages, num_xcds must be >= 1: {self}")
@@ -164,9 +175,16 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
         ),
         ("*", "*", "fp8"): TableEntry(
             LaunchConfig(
-                block_h=64, block_n=64, num_warps=8, num_stages=3, fp8_qk=True, fp8_pv=True
+                block_h=64,
+                block_n=64,
+                num_warps=8,
+                num_stages=3,
+                fp8_qk=True,
+                fp8_pv=True,
+                min_block_h=64,
             ),
-            "unmeasured: the bf16 winner with fp8 dots (half the tile bytes, no upcast)",
+            "unmeasured: the bf16 winner with fp8 dots (half the tile bytes, no upcast); "
+            "64-row groups at any head count (fp8 runs on wgmma only)",
         ),
         # fp32 tiles are twice the bytes: three 64-key stages would not fit.
         ("*", "*", "fp32"): TableEntry(

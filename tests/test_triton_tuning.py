@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -454,6 +455,22 @@ def test_row_owned_groups_pad_the_fewest_rows():
     }
     with pytest.raises(ValueError, match="rows_per_warp"):
         tables.LaunchConfig(block_h=64, block_n=16, num_warps=2, num_stages=1, rows_per_warp=16)
+
+
+def test_fewest_padded_rows_from_64_rows_and_the_floor():
+    """Without rows_per_warp: under 64 rows the next power of two; from 64 on the BLOCK_H
+    (down to a quarter) that pads the fewest rows; never under min_block_h."""
+    config = tables.LaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    fitted = {rows: kernel._group_config(config, rows).block_h for rows in (12, 48, 64, 80, 96)}
+    assert fitted == {12: 16, 48: 64, 64: 64, 80: 16, 96: 32}
+    floor = replace(config, min_block_h=64)
+    assert {kernel._group_config(floor, rows).block_h for rows in (12, 48, 96)} == {64}
+    with pytest.raises(
+        ValueError, match="min_block_h must be a power of two in \\[16, block_h\\], got 128"
+    ):
+        replace(config, min_block_h=128)
+    with pytest.raises(ValueError, match="shrunk_num_stages must be >= 1, got 0"):
+        replace(config, shrunk_num_stages=0)
 
 
 #: Kimi-K3 shapes on MI300X / MI355X (12 heads per rank at TP 8, 24 at TP 4, 96 at TP 1, with
