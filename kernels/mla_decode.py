@@ -513,6 +513,7 @@ def _attend_tile(
     ROWS_DIFFER: tl.constexpr,
     ROW_SCALES: tl.constexpr,
     MASKED: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
 ):
     """One KV tile of stage 1's walk: load it, fold it into the online softmax state.
 
@@ -520,7 +521,8 @@ def _attend_tile(
     and others do not). ``MASKED``: the tile may hold keys past ``end`` or past a row's
     limit (masked loads and scores); without it (the tiles below a verify window, which
     every row sees whole) nothing is masked. ``visible``: the per-row key limits with
-    ``ROWS_DIFFER``, else the scalar ``end``. Returns ``(running_max, denom, acc, acc_hi,
+    ``ROWS_DIFFER``, else the scalar ``end``. ``TILE_IN_PAGE``: the tile lies in one page (one
+    block id; ``next_block`` is then a scalar). Returns ``(running_max, denom, acc, acc_hi,
     next_block)``."""
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
@@ -530,8 +532,6 @@ def _attend_tile(
     pos = first + tl.arange(0, BLOCK_N)
     # pos < end <= capacity: every column read from the table is below max_blocks.
     in_range = pos < end
-    # A tile inside one page (tiles start at multiples of BLOCK_N): one block id per tile.
-    TILE_IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
     if TILE_IN_PAGE:
         if PREFETCH_IDS:
             block = next_block
@@ -807,8 +807,10 @@ def _mla_decode_stage1(
     # the KV loads of a trip depend on no load of that trip and Triton's software pipeliner
     # gives them their own LDS buffers (AMD's stays single-buffered otherwise).
     next_pos = start + tl.arange(0, BLOCK_N)
+    # A tile inside one page (tiles start at multiples of BLOCK_N): one block id per tile.
+    TILE_IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
     if PREFETCH_IDS:
-        if PAGE_SIZE % BLOCK_N == 0:
+        if TILE_IN_PAGE:
             next_block = tl.load(block_row + start // PAGE_SIZE, mask=start < end, other=0)
         else:
             next_block = tl.load(block_row + next_pos // PAGE_SIZE, mask=next_pos < end, other=0)
@@ -866,6 +868,7 @@ def _mla_decode_stage1(
                 WINDOW,
                 QK_FP8,
                 not WINDOW or walk == 1,
+                TILE_IN_PAGE,
             )
 
     # Only denom == 0 means "no visible key"; a poisoned (NaN) denom makes out and lse NaN.
