@@ -26,9 +26,11 @@ Non-finite input is never mistaken for "no key": a NaN or infinite score of a ke
 see (NaN/Inf in q or in a visible cache element, an overflowing scale) makes that row's out
 and lse NaN; rows with no visible key give out 0 and lse -inf. In a causal verify window
 the keys from the window's first one (``L - S_q + 1``) on are seen by some rows and not
-others, and ``0 x NaN`` would still reach the rows that give such a key weight 0: the walk
-takes those last tiles in a second loop that zeroes non-finite V elements before ``P V``; the
-tiles every row sees go through the first loop straight from the loaded tile to the dots.
+others, and ``0 x NaN`` would still reach the rows that give such a key weight 0. The walk
+takes the keys every row sees with one limit for all rows, straight from the loaded tile to
+the dots; the window's own keys (at most ``S_q - 1``) follow in small tail tiles whose P.V
+leaves out the keys no row scores finitely (a non-finite V element makes every row's score
+of its key non-finite), so the rows that do not see such a key never multiply it.
 """
 
 from __future__ import annotations
@@ -426,11 +428,11 @@ def _fold_scores(
     scores,
     scores_rope,
     pos,
+    lo,
     row_scale,
     visible,
     running_max,
     denom,
-    MASKED: tl.constexpr,
     ROWS_DIFFER: tl.constexpr,
     ROW_SCALES: tl.constexpr,
     V_DTYPE: tl.constexpr,
@@ -439,27 +441,32 @@ def _fold_scores(
     FP8_EMULATE_MIN_EXP: tl.constexpr,
     P_SCALE: tl.constexpr,
 ):
-    """The online-softmax step of one tile's scores: ``(running_max, denom, rescale, p)``.
+    """The online-softmax step of one tile's scores: ``(running_max, denom, rescale, p,
+    finite_key)``.
 
-    ``MASKED``: some keys of the tile are past ``visible`` (one limit per row with
-    ``ROWS_DIFFER``, else one for all); without it every key is seen by every row.
-    ``ROW_SCALES``: ``row_scale`` is per row (fp8 Q), else one scalar."""
+    Keys at or past ``visible`` are not seen (one limit per row with ``ROWS_DIFFER``, and
+    none below ``lo``; else one for all). ``ROW_SCALES``: ``row_scale`` is per row (fp8 Q),
+    else one scalar."""
     if ROW_SCALES:
         scores = scores * row_scale[:, None] + scores_rope * row_scale[:, None]
     else:
         scores = scores * row_scale + scores_rope * row_scale
-    if not MASKED:
-        seen_key = tl.full([1, 1], 1, tl.int1)
-    elif ROWS_DIFFER:
-        seen_key = pos[None, :] < visible[:, None]
+    if ROWS_DIFFER:
+        seen_key = (pos[None, :] < visible[:, None]) & (pos >= lo)[None, :]
     else:
         seen_key = (pos < visible)[None, :]
     # A NaN or infinite score of a visible key (NaN/Inf in q or the cache, an overflowing
     # scale) must not pass for "no key" or weight 0: it poisons the row's denominator,
     # hence its out and lse. A comparison, not s - s, which FMA contraction may break.
-    nonfinite = tl.where(seen_key & (tl.abs(scores) < float("inf")), 0.0, 1.0)
+    finite = tl.abs(scores) < float("inf")
+    nonfinite = tl.where(seen_key & finite, 0.0, 1.0)
     nonfinite = tl.where(seen_key, nonfinite, 0.0)
     poison = tl.where(tl.max(nonfinite, axis=1) > 0, float("nan"), 0.0)
+    # Keys some row scores finitely (unused, hence compiled away, outside GUARD_V tiles).
+    # A non-finite element of a key's V (its first Dv columns) makes every row's score of
+    # it non-finite, q = 0 padding included; so a key no row scores finitely may drop out
+    # of P.V: the rows that see it are poisoned above, the others give it weight 0.
+    finite_key = tl.max(finite.to(tl.int32), axis=0) > 0
     scores = tl.where(seen_key, scores, float("-inf"))
 
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -473,12 +480,13 @@ def _fold_scores(
         p = _to_fp8(weights * P_SCALE, FP8_DTYPE, V_DTYPE, FP8_EMULATE_MIN_EXP)
     else:
         p = weights.to(V_DTYPE)
-    return new_max, denom, rescale, p
+    return new_max, denom, rescale, p, finite_key
 
 
 @triton.jit
 def _attend_tile(
     first,  # the tile's first key position
+    lo,  # with ROWS_DIFFER: keys below it are not seen
     end,
     block_row,
     kv_ptr,
@@ -512,16 +520,14 @@ def _attend_tile(
     GUARD_V: tl.constexpr,
     ROWS_DIFFER: tl.constexpr,
     ROW_SCALES: tl.constexpr,
-    MASKED: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
 ):
     """One KV tile of stage 1's walk: load it, fold it into the online softmax state.
 
-    ``GUARD_V``: zero non-finite V elements first (tiles some rows of a verify window see
-    and others do not). ``MASKED``: the tile may hold keys past ``end`` or past a row's
-    limit (masked loads and scores); without it (the tiles below a verify window, which
-    every row sees whole) nothing is masked. ``visible``: the per-row key limits with
-    ``ROWS_DIFFER``, else the scalar ``end``. ``TILE_IN_PAGE``: the tile lies in one page (one
+    ``GUARD_V`` (a verify window's tail tiles, which some rows see and others do not):
+    P.V reads V again without the keys no row scores finitely. Keys past ``end`` are not
+    loaded, nor seen. ``visible``: the per-row key limits with ``ROWS_DIFFER`` (and ``lo``
+    a lower one), else the scalar ``end``. ``TILE_IN_PAGE``: the tile lies in one page (one
     block id; ``next_block`` is then a scalar). Returns ``(running_max, denom, acc, acc_hi,
     next_block)``."""
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -545,10 +551,8 @@ def _attend_tile(
         # it drops.
         ahead = pos < end - BLOCK_N
         next_block = tl.load(block_row + (pos + BLOCK_N) // PAGE_SIZE, mask=ahead, other=0)
-    elif MASKED:
-        block = tl.load(block_row + pos // PAGE_SIZE, mask=in_range, other=0)
     else:
-        block = tl.load(block_row + pos // PAGE_SIZE)
+        block = tl.load(block_row + pos // PAGE_SIZE, mask=in_range, other=0)
     # A bad id (as uint32 a negative one is above 2^31) is clamped to the last block for
     # the address only, so every load stays inside kv_cache; the rows that may see such
     # a key are poisoned after the loop whatever it read (first_bad). Cheaper than a
@@ -570,7 +574,7 @@ def _attend_tile(
         )
     # Masked loads: slots past a request's length may hold NaN, and NaN * 0 is NaN, so
     # they must never enter a product, not even with a zero weight.
-    key_mask = in_range[:, None] if MASKED else tl.full([BLOCK_N, 1], 1, tl.int1)
+    key_mask = in_range[:, None]
     kv_nope = tl.load(
         token[:, None] + offs_dv[None, :], mask=key_mask & dv_mask[None, :], other=0.0
     )
@@ -596,15 +600,15 @@ def _attend_tile(
     # the same reason. The other branch yields no constant tile (that would take 8 KB of
     # shared memory for its P operand).
     if first < end:
-        new_max, denom, rescale, p = _fold_scores(
+        new_max, denom, rescale, p, finite_key = _fold_scores(
             scores,
             scores_rope,
             pos,
+            lo,
             row_scale,
             visible,
             running_max,
             denom,
-            MASKED,
             ROWS_DIFFER,
             ROW_SCALES,
             V_DTYPE,
@@ -617,16 +621,20 @@ def _attend_tile(
         new_max = running_max
         rescale = tl.zeros_like(running_max) + 1.0
         p = (scores * 0.0).to(V_DTYPE)
+        finite_key = pos < end
     if GUARD_V:
-        # The rows that do see a non-finite key are already poisoned through their scores.
-        kv_nope = tl.where(
-            tl.abs(kv_nope.to(tl.float32)) < float("inf"), kv_nope, tl.zeros_like(kv_nope)
+        # V loaded again (the tail's tiles are few and in L2), without the keys no row
+        # scores finitely: no 0 x NaN reaches a row that does not see such a key. No
+        # round trip of the tile through registers, unlike zeroing its non-finite elements.
+        v_mask = (in_range & finite_key)[:, None]
+        kv_nope = tl.load(
+            token[:, None] + offs_dv[None, :], mask=v_mask & dv_mask[None, :], other=0.0
         )
         if DV_CHUNKS == 2:
-            kv_nope_hi = tl.where(
-                tl.abs(kv_nope_hi.to(tl.float32)) < float("inf"),
-                kv_nope_hi,
-                tl.zeros_like(kv_nope_hi),
+            kv_nope_hi = tl.load(
+                token[:, None] + BLOCK_DV + offs_dv[None, :],
+                mask=v_mask & dv_mask_hi[None, :],
+                other=0.0,
             )
     acc = tl.dot(p, kv_nope.to(V_DTYPE), acc * rescale[:, None], input_precision="ieee")
     if DV_CHUNKS == 2:
@@ -671,6 +679,7 @@ def _mla_decode_stage1(
     CAUSAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     DV_CHUNKS: tl.constexpr,
     BLOCK_DR: tl.constexpr,
@@ -720,8 +729,6 @@ def _mla_decode_stage1(
     chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(tl.minimum(start + chunk, tl.max(visible, axis=0).to(tl.int64)), capacity)
-    # The loop counts tiles, not keys: n0 + BLOCK_N would wrap past an end near 2^31 - 1.
-    num_tiles = tl.where(end > start, (end - start - 1) // BLOCK_N + 1, 0).to(tl.int32)
     start = tl.minimum(start, end).to(tl.int32)
 
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -803,37 +810,91 @@ def _mla_decode_stage1(
         faults = faults | tl.where(beyond, _FAULT_BEYOND_TABLE, 0)
         tl.atomic_or(fault_ptr, faults, mask=faults != 0)
 
-    # PREFETCH_IDS: the block ids of each tile are loaded one trip ahead (loop-carried), so
-    # the KV loads of a trip depend on no load of that trip and Triton's software pipeliner
-    # gives them their own LDS buffers (AMD's stays single-buffered otherwise).
-    next_pos = start + tl.arange(0, BLOCK_N)
-    # A tile inside one page (tiles start at multiples of BLOCK_N): one block id per tile.
-    TILE_IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
-    if PREFETCH_IDS:
-        if TILE_IN_PAGE:
-            next_block = tl.load(block_row + start // PAGE_SIZE, mask=start < end, other=0)
-        else:
-            next_block = tl.load(block_row + next_pos // PAGE_SIZE, mask=next_pos < end, other=0)
-    else:
-        next_block = tl.zeros([BLOCK_N], tl.int32)
     # Rows of one verify window see different keys: a key only later rows see has weight 0
     # in the earlier ones, and 0 x NaN (a non-finite V element) would still reach them. Only
-    # keys from the window's first one on (L - S_q + 1) are seen by some rows and not others:
-    # the whole tiles below it are walked without that guard and without any mask (walk 0),
-    # so their V tiles never make a round trip through registers, and the rest with both
-    # (walk 1). Without a window one masked walk (an unmasked walk of the whole tiles plus
-    # the last one apart costs AMD VGPRs in Triton 3.9 and saves sm90 none that matter).
+    # the window's own keys, from its first one (L - S_q + 1) on, are seen by some rows and
+    # not others, at most S_q - 1 of them. The walk takes the keys below it, which every
+    # row sees, with one limit for all rows and V straight from the loaded tile into P.V;
+    # the window's keys follow in tail tiles of BLOCK_W keys (see below).
     WINDOW: tl.constexpr = CAUSAL and Q_LEN > 1
     if WINDOW:
         # Compared first, so that L - S_q + 1 cannot wrap at L near -2^31.
         window = tl.where(seqlen > Q_LEN - 1, seqlen - (Q_LEN - 1), 0)
-        shared_tiles = tl.minimum(tl.maximum(window - start, 0), end - start) // BLOCK_N
+        shared_end = tl.minimum(tl.maximum(window, start), end)
     else:
-        shared_tiles = num_tiles
-    for walk in tl.static_range(1 + WINDOW):
-        for tile in range(shared_tiles * walk, shared_tiles + (num_tiles - shared_tiles) * walk):
-            running_max, denom, acc, acc_hi, next_block = _attend_tile(
-                start + tile * BLOCK_N,
+        shared_end = end
+    # PREFETCH_IDS: the block ids of each tile are loaded one trip ahead (loop-carried), so
+    # the KV loads of a trip depend on no load of that trip and Triton's software pipeliner
+    # gives them their own LDS buffers (AMD's stays single-buffered otherwise).
+    # A tile inside one page (tiles start at multiples of BLOCK_N): one block id per tile.
+    TILE_IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
+    if PREFETCH_IDS:
+        if TILE_IN_PAGE:
+            next_block = tl.load(block_row + start // PAGE_SIZE, mask=start < shared_end, other=0)
+        else:
+            next_pos = start + tl.arange(0, BLOCK_N)
+            next_block = tl.load(
+                block_row + next_pos // PAGE_SIZE, mask=next_pos < shared_end, other=0
+            )
+    else:
+        next_block = tl.zeros([BLOCK_N], tl.int32)
+    # One masked walk (an unmasked walk of the whole tiles plus the last one apart costs
+    # AMD VGPRs in Triton 3.9 and saves sm90 none that matter).
+    # The loop counts tiles, not keys: n0 + BLOCK_N would wrap past an end near 2^31 - 1.
+    num_tiles = tl.where(shared_end > start, (shared_end - start - 1) // BLOCK_N + 1, 0)
+    for tile in range(0, num_tiles):
+        running_max, denom, acc, acc_hi, next_block = _attend_tile(
+            start + tile * BLOCK_N,
+            start,
+            shared_end,
+            block_row,
+            kv_ptr,
+            num_blocks,
+            stride_kv_block,
+            stride_kv_token,
+            q_nope,
+            q_rope,
+            q_nope_hi,
+            row_scale,
+            shared_end,
+            running_max,
+            denom,
+            acc,
+            acc_hi,
+            next_block,
+            HEAD_DIM_V,
+            ROPE_DIM,
+            PAGE_SIZE,
+            BLOCK_N,
+            BLOCK_DV,
+            DV_CHUNKS,
+            BLOCK_DR,
+            K_DTYPE,
+            V_DTYPE,
+            PV_FP8,
+            FP8_DTYPE,
+            FP8_EMULATE_MIN_EXP,
+            P_SCALE,
+            PREFETCH_IDS,
+            False,
+            False,
+            QK_FP8,
+            TILE_IN_PAGE,
+        )
+    if WINDOW:
+        # The window's keys [shared_end, end): tiles of BLOCK_W keys (at least S_q - 1 where
+        # BLOCK_N allows, so mostly one) loaded straight into registers, not pipelined,
+        # where non-finite V elements are zeroed before P.V. Per-row limits, and a lower
+        # one: the tiles start at multiples of BLOCK_W (no lane wraps past 2^31 - 1), so
+        # the first may hold keys the walk took; they are read (they exist) but not seen.
+        # A tail tile lies in one page where BLOCK_W divides it (one block id).
+        no_ids = tl.zeros([BLOCK_W], tl.int32)  # no ids are prefetched
+        aligned = shared_end // BLOCK_W * BLOCK_W
+        num_tail = tl.where(end > shared_end, (end - 1 - aligned) // BLOCK_W + 1, 0)
+        for tile in tl.range(0, num_tail, num_stages=1):
+            running_max, denom, acc, acc_hi, no_ids = _attend_tile(
+                aligned + tile * BLOCK_W,
+                shared_end,
                 end,
                 block_row,
                 kv_ptr,
@@ -844,16 +905,16 @@ def _mla_decode_stage1(
                 q_rope,
                 q_nope_hi,
                 row_scale,
-                visible if WINDOW else end,
+                visible,
                 running_max,
                 denom,
                 acc,
                 acc_hi,
-                next_block,
+                no_ids,
                 HEAD_DIM_V,
                 ROPE_DIM,
                 PAGE_SIZE,
-                BLOCK_N,
+                BLOCK_W,
                 BLOCK_DV,
                 DV_CHUNKS,
                 BLOCK_DR,
@@ -863,12 +924,11 @@ def _mla_decode_stage1(
                 FP8_DTYPE,
                 FP8_EMULATE_MIN_EXP,
                 P_SCALE,
-                PREFETCH_IDS,
-                WINDOW and walk == 1,
-                WINDOW,
+                False,
+                True,
+                True,
                 QK_FP8,
-                not WINDOW or walk == 1,
-                TILE_IN_PAGE,
+                PAGE_SIZE % BLOCK_W == 0,
             )
 
     # Only denom == 0 means "no visible key"; a poisoned (NaN) denom makes out and lse NaN.
@@ -1118,6 +1178,12 @@ def _stage1_arguments(
     # Two V halves only when each half is still a whole dot tile.
     dv_chunks = config.dv_chunks if padded_dv >= 32 else 1
     grid = (q.shape[0] * num_groups * num_kv_splits,)
+    # A causal verify window's own keys (S_q - 1) go through tail tiles of BLOCK_W keys: as
+    # few as hold them, at least the K of one dot (32 for fp8 operands), at most BLOCK_N.
+    fp8_dot = dot_types["QK_FP8"] or dot_types["PV_FP8"]
+    block_w = min(
+        config.block_n, max(32 if fp8_dot else 16, triton.next_power_of_2(max(q_len - 1, 1)))
+    )
     # Stage 1 addresses an output row (query i, head h) as row i x H + h: the buffers are
     # ours, allocated [splits, B, S_q, H(, Dv)] with S_q and H adjacent.
     for name, buffer in (("part_out", part_out), ("part_lse", part_lse)):
@@ -1163,6 +1229,7 @@ def _stage1_arguments(
         CAUSAL=bool(causal),
         BLOCK_H=config.block_h,
         BLOCK_N=config.block_n,
+        BLOCK_W=block_w,
         BLOCK_DV=padded_dv // dv_chunks,
         DV_CHUNKS=dv_chunks,
         BLOCK_DR=max(16, triton.next_power_of_2(rope_dim)),

@@ -308,6 +308,7 @@ tl_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "
 for (config, kv_dtype, q_dtype), shapes in kernels.items():
     consts = dict(Q_LEN=1, NUM_HEADS=128, HEAD_DIM_V=512, ROPE_DIM=64, PAGE_SIZE=64,
                   CAUSAL=True, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+                  BLOCK_W=min(config.block_n, 32 if kv_dtype == fp8 else 16),
                   BLOCK_DV=512 // config.dv_chunks, DV_CHUNKS=config.dv_chunks, BLOCK_DR=64,
                   NUM_XCDS=config.num_xcds, HAS_FAULT_FLAG=True, PREFETCH_IDS=config.prefetch_ids,
                   **md._dot_types(q_dtype, kv_dtype, here, config))

@@ -203,9 +203,10 @@ def test_a_non_finite_v_element_reaches_only_the_window_queries_that_see_its_key
     splits, value, key, seen_from
 ):
     """4 heads x S_q 4 in one 16-row group over 16-key tiles: request 0 (33 keys) has its
-    window's keys (30-32) in tiles 1 and 2, which take the V guard, and tile 0 is walked
-    without it; query i sees keys below 30 + i. A non-finite V element poisons exactly the
-    queries that see its key, whichever loop reads it."""
+    window's keys (30-32) in the tail tiles at keys 16 and 32, which drop from P.V the keys
+    no row scores finitely; the walk takes keys 0-29, and the first tail tile reads 16-29
+    again without seeing them. Query i sees keys below 30 + i. A non-finite V element
+    poisons exactly the queries that see its key, whichever loop reads it."""
     q, kv, bt, lens = make_paged_problem([33, 50], num_heads=4, q_len=4, block_size=16, seed=3)
     q, kv, bt, lens = q.to(DEVICE), kv.to(DEVICE), bt.to(DEVICE), lens.to(DEVICE)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
