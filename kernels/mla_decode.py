@@ -52,6 +52,7 @@ import triton.language as tl
 
 from rocm_mla.inputs import FAULT_BEYOND_TABLE, FAULT_BLOCK_ID
 from rocm_mla.kernels.merge_states import launch_merge
+from rocm_mla.kernels.quantize_q import quantize_q, to_fp8
 from rocm_mla.kernels.residency import RESIDENCY_TARGETS, resident_programs
 from rocm_mla.kernels.target import TritonTarget, triton_target
 from rocm_mla.kernels.tuned_configs import LaunchConfig, TableEntry, lookup
@@ -248,7 +249,17 @@ def _compile_stage1_resources(
     meta = {"device": "meta"}
     batch = 2  # more than one request and split: no argument specializes to 1
     pages = triton.cdiv((1 << 31) if large_cache else 1 << 20, page_size * head_dim) + 2
-    q = torch.empty(batch, q_len, num_heads, head_dim, dtype=q_dtype, **meta)
+    dot_types = _dot_types(q_dtype, kv_dtype, here, config)
+    # With fp8 Q K^T stage 1 reads q quantized (``_stage1_q``).
+    q = torch.empty(
+        batch,
+        q_len,
+        num_heads,
+        head_dim,
+        dtype=kv_dtype if dot_types["QK_FP8"] else q_dtype,
+        **meta,
+    )
+    q_scale = torch.empty(batch, q_len, num_heads, **meta) if dot_types["QK_FP8"] else None
     kv_cache = torch.empty(pages, page_size, head_dim, dtype=kv_dtype, **meta)
     block_table = torch.empty(batch, triton.cdiv(pages, batch), dtype=torch.int32, **meta)
     seqlens = torch.empty(batch, dtype=torch.int32, **meta)
@@ -256,6 +267,7 @@ def _compile_stage1_resources(
     part_lse = torch.empty(2, batch, q_len, num_heads, **meta)
     _, args, kwargs = _stage1_arguments(
         q,
+        q_scale,
         kv_cache,
         block_table,
         seqlens,
@@ -270,6 +282,7 @@ def _compile_stage1_resources(
         num_kv_splits=2,
         config=config,
         target=here,
+        dot_types=dot_types,
     )
     if backend == "cuda":
         gpu_target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)
@@ -405,25 +418,6 @@ def _remap_for_xcds(pid, num_programs, NUM_XCDS: tl.constexpr):
 
 
 @triton.jit
-def _to_fp8(x, FP8_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, EMULATE_MIN_EXP: tl.constexpr):
-    """``x`` rounded to fp8 e4m3 (in range by construction), returned as ``OUT_DTYPE``.
-
-    ``EMULATE_MIN_EXP`` (the interpreter: the exponent of the type's smallest normal, else
-    None): Triton 3.9's interpreter gets fp32 -> fp8 wrong (errors of 64 at values below
-    200), so the rounding is done in fp32 arithmetic: 3 mantissa bits, the exponent floored
-    at the smallest normal's (subnormals keep its ulp), to nearest with ties up.
-    """
-    if EMULATE_MIN_EXP is not None:
-        exp = tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30)))
-        exp = tl.maximum(exp, EMULATE_MIN_EXP)
-        ulp = tl.exp2(exp - 3.0)
-        y = (tl.floor(x / ulp + 0.5) * ulp).to(OUT_DTYPE)
-    else:
-        y = x.to(FP8_DTYPE).to(OUT_DTYPE)
-    return y
-
-
-@triton.jit
 def _fold_scores(
     scores,
     scores_rope,
@@ -477,7 +471,7 @@ def _fold_scores(
     denom = denom * rescale + tl.sum(weights, axis=1) + poison
     # Weights are <= 1; P_SCALE lifts them off fp8's subnormal floor (undone in out_scale).
     if PV_FP8:
-        p = _to_fp8(weights * P_SCALE, FP8_DTYPE, V_DTYPE, FP8_EMULATE_MIN_EXP)
+        p = to_fp8(weights * P_SCALE, FP8_DTYPE, V_DTYPE, FP8_EMULATE_MIN_EXP)
     else:
         p = weights.to(V_DTYPE)
     return new_max, denom, rescale, p, finite_key
@@ -646,7 +640,8 @@ def _attend_tile(
 
 @triton.jit
 def _mla_decode_stage1(
-    q_ptr,  # [B, S_q, H, D]
+    q_ptr,  # [B, S_q, H, D]; with QK_FP8 quantized per row (``quantize_q``)
+    q_scale_ptr,  # [B, S_q, H] fp32 row scales of q (read only with QK_FP8)
     kv_ptr,  # [num_blocks, PAGE_SIZE, D], unit stride in D
     block_table_ptr,  # [B, max_blocks] int32
     seqlens_ptr,  # [B] int32
@@ -689,7 +684,6 @@ def _mla_decode_stage1(
     PV_FP8: tl.constexpr,
     FP8_DTYPE: tl.constexpr,
     FP8_EMULATE_MIN_EXP: tl.constexpr,
-    FP8_MAX: tl.constexpr,
     P_SCALE: tl.constexpr,
     NUM_XCDS: tl.constexpr,
     HAS_FAULT_FLAG: tl.constexpr,
@@ -752,28 +746,19 @@ def _mla_decode_stage1(
             other=0.0,
         )
     if QK_FP8:
-        # Per-row fp8 quantization of Q; its scale joins the softmax scale of that row.
-        q_nope = q_nope.to(tl.float32)
-        q_rope = q_rope.to(tl.float32)
-        if DV_CHUNKS == 2:
-            q_nope_hi = q_nope_hi.to(tl.float32)
-        q_amax = tl.maximum(tl.max(tl.abs(q_nope), axis=1), tl.max(tl.abs(q_rope), axis=1))
-        if DV_CHUNKS == 2:
-            q_amax = tl.maximum(q_amax, tl.max(tl.abs(q_nope_hi), axis=1))
-        q_quant = tl.where(q_amax > 0, q_amax / FP8_MAX, 1.0)
-        row_scale = qk_scale * q_quant
-        q_nope = _to_fp8(q_nope / q_quant[:, None], FP8_DTYPE, K_DTYPE, FP8_EMULATE_MIN_EXP)
-        q_rope = _to_fp8(q_rope / q_quant[:, None], FP8_DTYPE, K_DTYPE, FP8_EMULATE_MIN_EXP)
-        if DV_CHUNKS == 2:
-            q_nope_hi = _to_fp8(
-                q_nope_hi / q_quant[:, None], FP8_DTYPE, K_DTYPE, FP8_EMULATE_MIN_EXP
-            )
+        # Q comes quantized per row (``quantize_q``): its scale joins that row's softmax
+        # scale. Loaded, not computed here, it is an operand the dots read from shared
+        # memory on sm90.
+        q_scale = tl.load(
+            q_scale_ptr + b.to(tl.int64) * (Q_LEN * NUM_HEADS) + rows, mask=row_valid, other=1.0
+        )
+        row_scale = qk_scale * q_scale
     else:
         row_scale = qk_scale
-        q_nope = q_nope.to(K_DTYPE)
-        q_rope = q_rope.to(K_DTYPE)
-        if DV_CHUNKS == 2:
-            q_nope_hi = q_nope_hi.to(K_DTYPE)
+    q_nope = q_nope.to(K_DTYPE)
+    q_rope = q_rope.to(K_DTYPE)
+    if DV_CHUNKS == 2:
+        q_nope_hi = q_nope_hi.to(K_DTYPE)
 
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
@@ -1150,8 +1135,27 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
     }
 
 
+def _stage1_q(
+    q: torch.Tensor, kv_dtype: torch.dtype, dot_types: dict, target: TritonTarget
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(the q stage 1 reads, its per-row scales or None)``: with fp8 ``Q K^T`` q quantized
+    per row by ``quantize_q`` (fp8 values in fp32 under the interpreter), else q itself."""
+    if not dot_types["QK_FP8"]:
+        return q, None
+    interpreting = target.backend == "interpreter"
+    return quantize_q(
+        q,
+        out_dtype=torch.float32 if interpreting else kv_dtype,
+        out_tl_dtype=dot_types["K_DTYPE"],
+        fp8_dtype=dot_types["FP8_DTYPE"],
+        emulate_min_exp=dot_types["FP8_EMULATE_MIN_EXP"],
+        fp8_max=dot_types["FP8_MAX"],
+    )
+
+
 def _stage1_arguments(
     q: torch.Tensor,
+    q_scale: torch.Tensor | None,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
@@ -1167,12 +1171,13 @@ def _stage1_arguments(
     num_kv_splits: int,
     config: LaunchConfig,
     target: TritonTarget,
+    dot_types: dict,
 ) -> tuple[tuple[int], tuple, dict]:
     """``(grid, args, kwargs)`` of the stage-1 launch: what ``mla_decode`` runs and what
-    ``programs_per_cu`` compiles (on meta tensors) to read the kernel's resources."""
+    ``programs_per_cu`` compiles (on meta tensors) to read the kernel's resources. ``q`` and
+    ``q_scale`` as ``_stage1_q`` gives them; ``dot_types`` from the caller's q dtype."""
     _, q_len, num_heads, head_dim = q.shape
     rope_dim = head_dim - head_dim_v
-    dot_types = _dot_types(q.dtype, kv_cache.dtype, target, config)
     dequant = 1.0 if kv_scale is None else float(kv_scale)
     padded_dv = max(16, triton.next_power_of_2(head_dim_v))
     # Two V halves only when each half is still a whole dot tile.
@@ -1194,6 +1199,8 @@ def _stage1_arguments(
             )
     args = (
         q,
+        # Without fp8 Q any pointer will do: QK_FP8=False never reads it.
+        part_lse if q_scale is None else q_scale,
         kv_cache,
         block_table,
         cache_seqlens,
@@ -1236,7 +1243,8 @@ def _stage1_arguments(
         NUM_XCDS=config.num_xcds,
         HAS_FAULT_FLAG=fault_flag is not None,
         PREFETCH_IDS=config.prefetch_ids,
-        **dot_types,
+        # FP8_MAX is quantize_q's.
+        **{k: v for k, v in dot_types.items() if k != "FP8_MAX"},
         **config.launch_options(target),
     )
     return grid, args, kwargs
@@ -1349,8 +1357,11 @@ def mla_decode(
             num_kv_splits, batch, q_len, num_heads, dtype=torch.float32, device=q.device
         )
 
+    dot_types = _dot_types(q.dtype, kv_cache.dtype, target, config)
+    q_in, q_scale = _stage1_q(q, kv_cache.dtype, dot_types, target)
     grid, args, kwargs = _stage1_arguments(
-        q,
+        q_in,
+        q_scale,
         kv_cache,
         block_table,
         cache_seqlens,
@@ -1365,6 +1376,7 @@ def mla_decode(
         num_kv_splits=num_kv_splits,
         config=config,
         target=target,
+        dot_types=dot_types,
     )
     _mla_decode_stage1[grid](*args, **kwargs)
     if num_kv_splits > 1:

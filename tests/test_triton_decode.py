@@ -269,7 +269,8 @@ import torch
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rocm_mla.kernels import mla_decode as md, merge_states as ms, tuned_configs as tc
+from rocm_mla.kernels import mla_decode as md, merge_states as ms, quantize_q as qq
+from rocm_mla.kernels import tuned_configs as tc
 
 def build(fn, pointers, consts, target, options):
     sig = {}
@@ -305,14 +306,19 @@ for heads in tc.HEAD_BUCKETS:
             kernels.setdefault((config, kv_dtype, q_dtype), []).append((heads, q_len, kind))
 tl_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
            torch.float8_e4m3fnuz: "fp8e4b8"}
+tl_type = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
 for (config, kv_dtype, q_dtype), shapes in kernels.items():
+    dot_types = md._dot_types(q_dtype, kv_dtype, here, config)
     consts = dict(Q_LEN=1, NUM_HEADS=128, HEAD_DIM_V=512, ROPE_DIM=64, PAGE_SIZE=64,
                   CAUSAL=True, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
                   BLOCK_W=min(config.block_n, 32 if kv_dtype == fp8 else 16),
                   BLOCK_DV=512 // config.dv_chunks, DV_CHUNKS=config.dv_chunks, BLOCK_DR=64,
                   NUM_XCDS=config.num_xcds, HAS_FAULT_FLAG=True, PREFETCH_IDS=config.prefetch_ids,
-                  **md._dot_types(q_dtype, kv_dtype, here, config))
-    pointers = {"q_ptr": "*" + tl_name[q_dtype], "kv_ptr": "*" + tl_name[kv_dtype],
+                  **{k: v for k, v in dot_types.items() if k != "FP8_MAX"})
+    # With fp8 Q K^T stage 1 reads q quantized per row (quantize_q).
+    q_type = kv_dtype if dot_types["QK_FP8"] else q_dtype
+    pointers = {"q_ptr": "*" + tl_name[q_type], "q_scale_ptr": "*fp32",
+                "kv_ptr": "*" + tl_name[kv_dtype],
                 "block_table_ptr": "*i32", "seqlens_ptr": "*i32", "out_ptr": "*fp32",
                 "lse_ptr": "*fp32", "fault_ptr": "*i32"}
     stage1 = build(md._mla_decode_stage1, pointers, consts, target, config.launch_options(here))
@@ -325,6 +331,11 @@ consts = dict(HEAD_DIM_V=512, BLOCK_P=4, BLOCK_R=1, BLOCK_D=256)
 pointers = {"outs_ptr": "*fp32", "lses_ptr": "*fp32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
 merge = build(ms._merge_states_kernel, pointers, consts, target, ms.merge_launch_options(here))
 print(json.dumps({"kernel": "merge", **merge}))
+consts = dict(HEAD_DIM=576, BLOCK_R=qq._BLOCK_R, BLOCK_D=1024, FP8_DTYPE=tl_type[fp8],
+              OUT_DTYPE=tl_type[fp8], FP8_EMULATE_MIN_EXP=None, FP8_MAX=md._FP8_MAX[fp8])
+pointers = {"q_ptr": "*bf16", "out_ptr": "*" + tl_name[fp8], "scale_ptr": "*fp32"}
+quant = build(qq._quantize_q_kernel, pointers, consts, target, {"num_warps": 4})
+print(json.dumps({"kernel": "quantize_q", **quant}))
 """
 
 #: Shared memory (LDS) per workgroup: MI300X 64 KB, MI355X 160 KB, H100/H200 227 KB.
@@ -336,9 +347,9 @@ _SHARED_LIMIT = {"gfx942": 64 << 10, "gfx950": 160 << 10, "sm90": 227 << 10}
     ("backend", "arch"), [("hip", "gfx942"), ("hip", "gfx950"), ("cuda", "sm90")]
 )
 def test_default_configs_compile_for_gpus_without_spilling(backend, arch):
-    """Every stage-1 config of the target's tuned table (and the merge) compiles for MI300X /
-    MI355X / H100 with its launch options (HIP knobs included), fits the LDS/shared memory,
-    and spills no VGPRs on AMD."""
+    """Every stage-1 config of the target's tuned table (the merge, the fp8 Q quantization)
+    compiles for MI300X / MI355X / H100 with its launch options (HIP knobs included), fits
+    the LDS/shared memory, and spills no VGPRs on AMD."""
     import json
     import os
     import subprocess
@@ -358,11 +369,11 @@ def test_default_configs_compile_for_gpus_without_spilling(backend, arch):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [k["kernel"] for k in kernels][-2:] == ["coverage", "merge"]
-    coverage = kernels.pop(-2)
+    assert [k["kernel"] for k in kernels][-3:] == ["coverage", "merge", "quantize_q"]
+    coverage = kernels.pop(-3)
     assert coverage["unused_entries"] == [], "table entries no lookup reaches"
     # Each KV kind of the table got at least one compiled stage-1 kernel.
-    kinds = {shape[2] for k in kernels[:-1] for shape in k["shapes"]}
+    kinds = {shape[2] for k in kernels[:-2] for shape in k["shapes"]}
     assert kinds == {"16bit", "fp8", "fp32"}
     for k in kernels:
         assert k["shared"] <= _SHARED_LIMIT[arch], k
