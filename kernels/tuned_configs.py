@@ -227,9 +227,8 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
             "unmeasured: fp8 tiles are half the bytes, so 32 keys fit the LDS twice (the next "
             "tile prefetched)",
         ),
-        # No row-owned fp8 entry: at 32 keys (the fp8 MFMA's K for P.V) every row-owned group
-        # but H128 S_q 1 spills 20-406 VGPRs in Triton 3.9 (bench static); replicated Q.K^T
-        # on fp8 MFMA is the cheaper waste.
+        # fp8 rows owned per wave fit since Q arrives quantized (quantize_q): 32 keys (the
+        # fp8 MFMA's K for P.V), V in two halves, no spills at any case of bench static.
         # Two stages (the next tile in registers, one LDS slot): with three, the 32-row
         # groups of a causal verify window (H12 S_q 8, H24 S_q 4) spill 2 VGPRs.
         **_row_owned(
@@ -241,6 +240,20 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
                 num_stages=2,
                 dv_chunks=2,
                 num_xcds=8,
+                kpack=2,
+                rows_per_warp=16,
+                prefetch_ids=True,
+                **_AMD_KNOBS,
+            ),
+            fp8=LaunchConfig(
+                block_h=64,
+                block_n=32,
+                num_warps=4,
+                num_stages=2,
+                dv_chunks=2,
+                num_xcds=8,
+                fp8_qk=True,
+                fp8_pv=True,
                 kpack=2,
                 rows_per_warp=16,
                 prefetch_ids=True,
@@ -279,8 +292,11 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
             "unmeasured: fp8 tiles are half the bytes, so 32 keys fit twice (the next tile "
             "prefetched)",
         ),
-        # No row-owned fp8 entry: at 64 rows x 32 keys it spills 1-77 VGPRs in Triton 3.9
-        # (1, 2 or 3 stages, one or two V halves, ids ahead or not); 16 keys spill hundreds.
+        # No row-owned fp8 entry: gfx942's (64 rows x 32 keys, V in halves) fills 256 VGPRs +
+        # 256 AGPRs here and spills at every fp8 case of bench static but H16 in Triton 3.9
+        # (P.V takes the 16x16x128 f8f6f4 MFMA), with 2 or 3 stages, ids ahead or not, one
+        # or two V halves, 64 keys or 32x32 MFMA; one stage fits (256 + 29 AGPRs) but then
+        # no load overlaps the MFMAs.
         **_row_owned(
             "gfx950",
             bf16=LaunchConfig(

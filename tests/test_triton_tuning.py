@@ -82,8 +82,14 @@ def test_lookup_prefers_the_most_specific_entry():
     assert (h128.block_h, h128.dv_chunks, h128.rows_per_warp) == (64, 2, 16)
     assert h16 == tables.TABLES["gfx942"][("*", "*", "*")].config
     assert h16_verify == h128
-    # fp8 keeps the general (replicated) entry: its row-owned groups spill (tuned_configs).
-    assert fp8.fp8_qk and fp8.fp8_pv and fp8.rows_per_warp is None
+    # fp8 on gfx942 has row-owned rows too (32 keys: the fp8 MFMA's K); H16 S_q 1 and every
+    # gfx950 fp8 shape keep the general (replicated) entry (its row-owned groups spill).
+    fp8_h16 = kernel.default_config(GFX942, num_heads=16, kv_dtype=torch.float8_e4m3fnuz)
+    assert fp8.fp8_qk and fp8.fp8_pv and (fp8.rows_per_warp, fp8.block_n) == (16, 32)
+    assert fp8_h16.fp8_qk and fp8_h16.rows_per_warp is None
+    gfx950 = TritonTarget("hip", "gfx950", 256)
+    fp8_950 = kernel.default_config(gfx950, num_heads=128, kv_dtype=torch.float8_e4m3fn)
+    assert fp8_950.fp8_qk and fp8_950.rows_per_warp is None
     # A hip arch without its own table keeps gfx942's shapes, minus XCD remap and kpack.
     other = kernel.default_config(TritonTarget("hip", "gfx90a", 104))
     assert other.num_xcds == 1 and other.kpack is None and other.block_n == h16.block_n
