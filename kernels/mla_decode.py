@@ -19,8 +19,9 @@ Stage 2: the exact LSE merge of the splits (``merge_states.launch_merge``).
 fp8 caches carry one per-tensor dequant scale: it multiplies the softmax scale for ``Q K^T``
 and the output for ``P V``, so tiles are never rescaled inside the loop. Where the hardware
 has fp8 dots (sm89+, gfx942, gfx950) the tiles feed them as they are: Q is quantized per row
-(its scale joins that row's softmax scale) and the softmax weights are quantized with a
-fixed power-of-two lift. Elsewhere the tiles are upcast to Q's 16-bit type.
+once per call before stage 1 (``quantize_q``; its scale joins that row's softmax scale) and
+the softmax weights are quantized with a fixed power-of-two lift. Elsewhere the tiles are
+upcast to Q's 16-bit type.
 
 Non-finite input is never mistaken for "no key": a NaN or infinite score of a key a row may
 see (NaN/Inf in q or in a visible cache element, an overflowing scale) makes that row's out
@@ -507,6 +508,7 @@ def _attend_tile(
     K_DTYPE: tl.constexpr,
     V_DTYPE: tl.constexpr,
     PV_FP8: tl.constexpr,
+    V_VIA_REGISTERS: tl.constexpr,
     FP8_DTYPE: tl.constexpr,
     FP8_EMULATE_MIN_EXP: tl.constexpr,
     P_SCALE: tl.constexpr,
@@ -630,6 +632,15 @@ def _attend_tile(
                 mask=v_mask & dv_mask_hi[None, :],
                 other=0.0,
             )
+    if V_VIA_REGISTERS:
+        # fp8 wgmma reads K-major operands only: V (keys x Dv, Dv contiguous) is transposed
+        # through registers. A no-op register op on the loaded tile (a bitcast) leaves its
+        # load a plain dot operand, which Triton copies asynchronously into the pipelined
+        # shared buffers, and the transpose reads it from there; with V's dot as its only
+        # other use, the load itself would go to registers, synchronously.
+        kv_nope = kv_nope.to(tl.int8, bitcast=True).to(V_DTYPE, bitcast=True)
+        if DV_CHUNKS == 2:
+            kv_nope_hi = kv_nope_hi.to(tl.int8, bitcast=True).to(V_DTYPE, bitcast=True)
     acc = tl.dot(p, kv_nope.to(V_DTYPE), acc * rescale[:, None], input_precision="ieee")
     if DV_CHUNKS == 2:
         acc_hi = tl.dot(
@@ -682,6 +693,7 @@ def _mla_decode_stage1(
     V_DTYPE: tl.constexpr,
     QK_FP8: tl.constexpr,
     PV_FP8: tl.constexpr,
+    V_VIA_REGISTERS: tl.constexpr,
     FP8_DTYPE: tl.constexpr,
     FP8_EMULATE_MIN_EXP: tl.constexpr,
     P_SCALE: tl.constexpr,
@@ -857,6 +869,7 @@ def _mla_decode_stage1(
             K_DTYPE,
             V_DTYPE,
             PV_FP8,
+            V_VIA_REGISTERS,
             FP8_DTYPE,
             FP8_EMULATE_MIN_EXP,
             P_SCALE,
@@ -906,6 +919,7 @@ def _mla_decode_stage1(
                 K_DTYPE,
                 V_DTYPE,
                 PV_FP8,
+                V_VIA_REGISTERS,
                 FP8_DTYPE,
                 FP8_EMULATE_MIN_EXP,
                 P_SCALE,
@@ -1125,6 +1139,8 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
         "V_DTYPE": _TL_DTYPES[kv_dtype if pv_fp8 and not interpreting else upcast],
         "QK_FP8": qk_fp8,
         "PV_FP8": pv_fp8,
+        # NVIDIA: fp8 P.V takes V transposed (K-major), through registers.
+        "V_VIA_REGISTERS": pv_fp8 and target.backend == "cuda",
         "FP8_DTYPE": _TL_DTYPES[fp8_dtype],
         # Smallest normal exponents: e4m3fn 2^-6, e4m3fnuz 2^-7.
         "FP8_EMULATE_MIN_EXP": (-6.0 if fp8_dtype == torch.float8_e4m3fn else -7.0)

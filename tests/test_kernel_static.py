@@ -208,9 +208,25 @@ class TestReaders:
             ks._kv_facts(ks.read_ttgir("\n".join([*header, other, *loop])), 64)["kv_buffers"] == 2
         )
         assert facts["kv_round_trips"] == ["ttg.local_alloc"] and facts["guard_on_smem_tile"]
+        assert facts["guard_round_trips"] == 1
         clean = [line for line in loop if "local_alloc" not in line]
         facts = ks._kv_facts(ks.read_ttgir("\n".join(header + clean)), block_n=64)
         assert facts["kv_round_trips"] == [] and facts["kv_buffers"] == 2
+        assert facts["guard_round_trips"] == 0
+        # A round trip with no guard in its loop (sm90's fp8 V, transposed) is listed but is
+        # not the guard's.
+        transpose = [line for line in loop if "absf" not in line]
+        facts = ks._kv_facts(ks.read_ttgir("\n".join(header + transpose)), block_n=64)
+        assert facts["kv_round_trips"] == ["ttg.local_alloc"] and not facts["guard_on_smem_tile"]
+        assert facts["guard_round_trips"] == 0
+        # The guard's round trip in a loop after the walk (a verify window's tail tiles,
+        # 16 keys) counts too.
+        tail = [line.replace("64x512", "16x512").replace("%r ", "%r2 ") for line in loop]
+        walk = [line for line in loop if "absf" not in line and "local_alloc" not in line]
+        dots = "      %d = tt.dot %q, %k, %acc : tensor<64x512xbf16, #b>"
+        text = "\n".join(header + walk[:2] + [dots, dots] + walk[2:] + tail[:2] + [dots] + tail[2:])
+        facts = ks._kv_facts(ks.read_ttgir(text), block_n=64)
+        assert facts["kv_round_trips"] == ["ttg.local_alloc"] and facts["guard_round_trips"] == 1
         # A part of the tile loaded in the loop straight into registers has one stage, whatever
         # the other parts have; stored into the multi-buffer it is pipelined.
         load = "      %k = tt.load %p : tensor<64x64x!tt.ptr<bf16>, #b>"
