@@ -881,8 +881,8 @@ def _mla_decode_stage1(
         )
     if WINDOW:
         # The window's keys [shared_end, end): tiles of BLOCK_W keys (at least S_q - 1 where
-        # BLOCK_N allows, so mostly one) loaded straight into registers, not pipelined,
-        # where non-finite V elements are zeroed before P.V. Per-row limits, and a lower
+        # BLOCK_N allows, so mostly one), not pipelined, whose P.V leaves out the keys no
+        # row scores finitely (GUARD_V). Per-row limits, and a lower
         # one: the tiles start at multiples of BLOCK_W (no lane wraps past 2^31 - 1), so
         # the first may hold keys the walk took; they are read (they exist) but not seen.
         # A tail tile lies in one page where BLOCK_W divides it (one block id).

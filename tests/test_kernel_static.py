@@ -357,10 +357,8 @@ KNOWN_GAPS = frozenset(
     {
         # sm90: the 64-row group's one-split build (B 128, final bf16 out) keeps the row
         # indices of the q loads live through the walk for the output store at 255
-        # registers (60 B of spill); fp8 (wgmma, 64-row groups) takes a synchronous register
-        # transpose of the V tile for the K-major fp8 operand: one KV smem buffer.
+        # registers (60 B of spill).
         "H128 Sq1 bf16 / sm90: no_spills",
-        "K3 TP8 H12 Sq2 fp8 / sm90: kv_loads_overlap",
     }
 )
 
