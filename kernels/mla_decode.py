@@ -509,6 +509,7 @@ def _attend_tile(
     V_DTYPE: tl.constexpr,
     PV_FP8: tl.constexpr,
     V_VIA_REGISTERS: tl.constexpr,
+    FOLD_IN_BRANCH: tl.constexpr,
     FP8_DTYPE: tl.constexpr,
     FP8_EMULATE_MIN_EXP: tl.constexpr,
     P_SCALE: tl.constexpr,
@@ -587,15 +588,18 @@ def _attend_tile(
         )
         scores = tl.dot(q_nope_hi, tl.trans(kv_nope_hi.to(K_DTYPE)), scores, input_precision="ieee")
     scores_rope = tl.dot(q_rope, tl.trans(kv_rope.to(K_DTYPE)), input_precision="ieee")
-    # The softmax step sits in a branch (always taken: the walk stops at ``end``) so that
-    # no dot depends on the score dots within one block of code. Triton lays the warps of
-    # a dot whose result reaches another dot along M only ([8, 1] on sm90): a 64-row tile
-    # then has both warpgroups compute the whole Q.K^T. Past a region boundary it sees no
-    # chain, gives Q.K^T [4, 2] (each warpgroup its 32 keys) and shares P through shared
-    # memory, as FlashMLA does. The two score dots stay separate (summed in the branch) for
-    # the same reason. The other branch yields no constant tile (that would take 8 KB of
-    # shared memory for its P operand).
-    if first < end:
+    # ``FOLD_IN_BRANCH`` (CUDA): the softmax step sits in a branch (always taken: the walk
+    # stops at ``end``) so that no dot depends on the score dots within one block of code.
+    # Triton lays the warps of a dot whose result reaches another dot along M only ([8, 1]
+    # on sm90): a 64-row tile then has both warpgroups compute the whole Q.K^T. Past a
+    # region boundary it sees no chain, gives Q.K^T [4, 2] (each warpgroup its 32 keys) and
+    # shares P through shared memory, as FlashMLA does. The two score dots stay separate
+    # (summed in the branch) for the same reason. The other branch yields no constant tile
+    # (that would take 8 KB of shared memory for its P operand). AMD wants the chain: its
+    # 16-row MFMAs then give each wave its own rows of both dots ([4, 1]), so P stays in
+    # the wave's registers and the softmax reduces within it; past a branch a 32-key fp8
+    # tile got [2, 2] (P through LDS, cross-wave reductions), which spilled on gfx950.
+    if not FOLD_IN_BRANCH or first < end:
         new_max, denom, rescale, p, finite_key = _fold_scores(
             scores,
             scores_rope,
@@ -694,6 +698,7 @@ def _mla_decode_stage1(
     QK_FP8: tl.constexpr,
     PV_FP8: tl.constexpr,
     V_VIA_REGISTERS: tl.constexpr,
+    FOLD_IN_BRANCH: tl.constexpr,
     FP8_DTYPE: tl.constexpr,
     FP8_EMULATE_MIN_EXP: tl.constexpr,
     P_SCALE: tl.constexpr,
@@ -870,6 +875,7 @@ def _mla_decode_stage1(
             V_DTYPE,
             PV_FP8,
             V_VIA_REGISTERS,
+            FOLD_IN_BRANCH,
             FP8_DTYPE,
             FP8_EMULATE_MIN_EXP,
             P_SCALE,
@@ -920,6 +926,7 @@ def _mla_decode_stage1(
                 V_DTYPE,
                 PV_FP8,
                 V_VIA_REGISTERS,
+                FOLD_IN_BRANCH,
                 FP8_DTYPE,
                 FP8_EMULATE_MIN_EXP,
                 P_SCALE,
@@ -1141,6 +1148,8 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
         "PV_FP8": pv_fp8,
         # NVIDIA: fp8 P.V takes V transposed (K-major), through registers.
         "V_VIA_REGISTERS": pv_fp8 and target.backend == "cuda",
+        # See _attend_tile: the softmax step apart from the dots (CUDA) or with them (AMD).
+        "FOLD_IN_BRANCH": target.backend != "hip",
         "FP8_DTYPE": _TL_DTYPES[fp8_dtype],
         # Smallest normal exponents: e4m3fn 2^-6, e4m3fnuz 2^-7.
         "FP8_EMULATE_MIN_EXP": (-6.0 if fp8_dtype == torch.float8_e4m3fn else -7.0)

@@ -227,10 +227,12 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
             "unmeasured: fp8 tiles are half the bytes, so 32 keys fit the LDS twice (the next "
             "tile prefetched)",
         ),
-        # fp8 rows owned per wave fit since Q arrives quantized (quantize_q): 32 keys (the
-        # fp8 MFMA's K for P.V), V in two halves, no spills at any case of bench static.
-        # Two stages (the next tile in registers, one LDS slot): with three, the 32-row
-        # groups of a causal verify window (H12 S_q 8, H24 S_q 4) spill 2 VGPRs.
+        # fp8 rows owned per wave fit since Q arrives quantized (quantize_q) and the softmax
+        # step shares the dots' block (mla_decode._attend_tile: each wave 16 rows of both
+        # dots): 32 keys (the fp8 MFMA's K for P.V), V in two halves, no spills at any case
+        # of bench static. Two stages (the next tile in registers, one LDS slot): with
+        # three, the 32-row groups of a causal verify window (H12 S_q 8, H24 S_q 4) spill
+        # 57 VGPRs (gfx950: 21).
         **_row_owned(
             "gfx942",
             bf16=LaunchConfig(
@@ -292,11 +294,6 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
             "unmeasured: fp8 tiles are half the bytes, so 32 keys fit twice (the next tile "
             "prefetched)",
         ),
-        # No row-owned fp8 entry: gfx942's (64 rows x 32 keys, V in halves) fills 256 VGPRs +
-        # 256 AGPRs here and spills at every fp8 case of bench static but H16 in Triton 3.9
-        # (P.V takes the 16x16x128 f8f6f4 MFMA), with 2 or 3 stages, ids ahead or not, one
-        # or two V halves, 64 keys or 32x32 MFMA; one stage fits (256 + 29 AGPRs) but then
-        # no load overlaps the MFMAs.
         **_row_owned(
             "gfx950",
             bf16=LaunchConfig(
@@ -306,6 +303,19 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
                 num_stages=3,
                 dv_chunks=2,
                 num_xcds=8,
+                rows_per_warp=16,
+                prefetch_ids=True,
+                **_AMD_KNOBS,
+            ),
+            fp8=LaunchConfig(
+                block_h=64,
+                block_n=32,
+                num_warps=4,
+                num_stages=2,
+                dv_chunks=2,
+                num_xcds=8,
+                fp8_qk=True,
+                fp8_pv=True,
                 rows_per_warp=16,
                 prefetch_ids=True,
                 **_AMD_KNOBS,

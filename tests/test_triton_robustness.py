@@ -196,17 +196,25 @@ def test_merge_partials_past_2_pow_31_elements():
     torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("fold_in_branch", [True, False])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 @pytest.mark.parametrize(("key", "seen_from"), [(31, 2), (32, 3), (29, 0), (3, 0)])
 def test_a_non_finite_v_element_reaches_only_the_window_queries_that_see_its_key(
-    splits, value, key, seen_from
+    monkeypatch, fold_in_branch, splits, value, key, seen_from
 ):
     """4 heads x S_q 4 in one 16-row group over 16-key tiles: request 0 (33 keys) has its
     window's keys (30-32) in the tail tiles at keys 16 and 32, which drop from P.V the keys
     no row scores finitely; the walk takes keys 0-29, and the first tail tile reads 16-29
     again without seeing them. Query i sees keys below 30 + i. A non-finite V element
-    poisons exactly the queries that see its key, whichever loop reads it."""
+    poisons exactly the queries that see its key, whichever loop reads it, with the
+    softmax step in a branch (CUDA) or with the dots (AMD)."""
+    dot_types = kernel._dot_types
+    monkeypatch.setattr(
+        kernel,
+        "_dot_types",
+        lambda *args, **kwargs: {**dot_types(*args, **kwargs), "FOLD_IN_BRANCH": fold_in_branch},
+    )
     q, kv, bt, lens = make_paged_problem([33, 50], num_heads=4, q_len=4, block_size=16, seed=3)
     q, kv, bt, lens = q.to(DEVICE), kv.to(DEVICE), bt.to(DEVICE), lens.to(DEVICE)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")

@@ -82,14 +82,17 @@ def test_lookup_prefers_the_most_specific_entry():
     assert (h128.block_h, h128.dv_chunks, h128.rows_per_warp) == (64, 2, 16)
     assert h16 == tables.TABLES["gfx942"][("*", "*", "*")].config
     assert h16_verify == h128
-    # fp8 on gfx942 has row-owned rows too (32 keys: the fp8 MFMA's K); H16 S_q 1 and every
-    # gfx950 fp8 shape keep the general (replicated) entry (its row-owned groups spill).
+    # fp8 on gfx942 and gfx950 has row-owned rows too (32 keys: the fp8 MFMA's K); H16 S_q 1
+    # keeps the general (replicated) entry.
     fp8_h16 = kernel.default_config(GFX942, num_heads=16, kv_dtype=torch.float8_e4m3fnuz)
     assert fp8.fp8_qk and fp8.fp8_pv and (fp8.rows_per_warp, fp8.block_n) == (16, 32)
     assert fp8_h16.fp8_qk and fp8_h16.rows_per_warp is None
     gfx950 = TritonTarget("hip", "gfx950", 256)
     fp8_950 = kernel.default_config(gfx950, num_heads=128, kv_dtype=torch.float8_e4m3fn)
-    assert fp8_950.fp8_qk and fp8_950.rows_per_warp is None
+    assert fp8_950.fp8_qk and fp8_950.fp8_pv
+    assert (fp8_950.rows_per_warp, fp8_950.block_n) == (16, 32)
+    fp8_950_h16 = kernel.default_config(gfx950, num_heads=16, kv_dtype=torch.float8_e4m3fn)
+    assert fp8_950_h16.fp8_qk and fp8_950_h16.rows_per_warp is None
     # A hip arch without its own table keeps gfx942's shapes, minus XCD remap and kpack.
     other = kernel.default_config(TritonTarget("hip", "gfx90a", 104))
     assert other.num_xcds == 1 and other.kpack is None and other.block_n == h16.block_n
@@ -313,6 +316,52 @@ def test_every_table_shape_class_matches_torch(shape, where, page):
     q, kv, bt, lens = prepared(
         [70, 3], heads=heads, q_len=q_len, block=page, dtype=torch.float16, seed=7
     )
+    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=2)
+    ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
+    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float16])
+
+
+def fold_scores_in_branch(monkeypatch, fold: bool) -> None:
+    """Stage 1 with its softmax step in a branch (CUDA's structure) or with the dots (AMD's),
+    whatever the target; the two are the same arithmetic, laid out differently by Triton."""
+    dot_types = kernel._dot_types
+
+    def forced(*args, **kwargs):
+        return {**dot_types(*args, **kwargs), "FOLD_IN_BRANCH": fold}
+
+    monkeypatch.setattr(kernel, "_dot_types", forced)
+
+
+@pytest.mark.parametrize("fold_in_branch", [True, False])
+@pytest.mark.parametrize(
+    ("block_h", "block_n", "fp8", "heads", "q_len", "lengths"),
+    [
+        (64, 16, False, 16, 4, [70, 3]),  # a 64-row window group (tail tiles of 16 keys)
+        (64, 32, True, 128, 1, [66, 0]),  # AMD's fp8 row-owned shape, two 64-row groups
+        (32, 32, True, 12, 2, [45, 9]),  # a shrunk fp8 group of a window (tail of 32 keys)
+    ],
+)
+def test_softmax_in_or_out_of_a_branch_matches_torch(
+    monkeypatch, fold_in_branch, block_h, block_n, fp8, heads, q_len, lengths
+):
+    fold_scores_in_branch(monkeypatch, fold_in_branch)
+    config = tables.LaunchConfig(
+        block_h=block_h,
+        block_n=block_n,
+        num_warps=4,
+        num_stages=1,
+        dv_chunks=2,
+        fp8_qk=fp8,
+        fp8_pv=fp8,
+        prefetch_ids=True,
+    )
+    if fp8:
+        q, kv, bt, lens = prepared(lengths, heads=heads, q_len=q_len, block=64, seed=5)
+        kv8 = (kv / 0.25).to(torch.float8_e4m3fn)
+        out, lse = run_kernel(q, kv8, bt, lens, config=config, splits=2, kv_scale=0.25)
+        assert_fp8_dot_result(out, lse, q, kv8, bt, lens, 0.25, config)
+        return
+    q, kv, bt, lens = prepared(lengths, heads=heads, q_len=q_len, block=64, dtype=torch.float16)
     out, lse = run_kernel(q, kv, bt, lens, config=config, splits=2)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float16])
