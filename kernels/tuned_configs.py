@@ -232,7 +232,11 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
         # dots): 32 keys (the fp8 MFMA's K for P.V), V in two halves, no spills at any case
         # of bench static. Two stages (the next tile in registers, one LDS slot): with
         # three, the 32-row groups of a causal verify window (H12 S_q 8, H24 S_q 4) spill
-        # 57 VGPRs (gfx950: 21).
+        # 57 VGPRs (gfx950: 21). Owning its rows, each wave reads the whole V tile for P.V,
+        # byte by byte on gfx942 (no transposing LDS read): 256 ds_read_u8 a tile, 1051 loop
+        # instructions and 2 barriers at H128, against 874 and 10 when the waves split the
+        # score tile 2 x 2 and share P through LDS (the softmax step in a branch). Which is
+        # faster is unmeasured.
         **_row_owned(
             "gfx942",
             bf16=LaunchConfig(
