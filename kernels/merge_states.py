@@ -34,15 +34,18 @@ def merge_launch_options(target: TritonTarget | None) -> dict:
 
 @triton.jit
 def _merge_states_kernel(
-    outs_ptr,  # [N, R, Dv]
-    lses_ptr,  # [N, R]
+    outs_ptr,  # [N, G, R / G, Dv]
+    lses_ptr,  # [N, G, R / G]
     out_ptr,  # [R, Dv]
     out_lse_ptr,  # [R] fp32
     num_parts,
     num_rows,
+    rows_per_group,  # output row r is row r % rows_per_group of partial group r // it
     stride_outs_n,
+    stride_outs_g,
     stride_outs_r,
     stride_lses_n,
+    stride_lses_g,
     stride_lses_r,
     stride_out_r,
     HEAD_DIM_V: tl.constexpr,
@@ -53,9 +56,11 @@ def _merge_states_kernel(
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_P)
     r_mask = offs_r < num_rows
+    group = (offs_r // rows_per_group).to(tl.int64)
+    in_group = (offs_r % rows_per_group).to(tl.int64)
     # Index x stride products are int64: N x R x Dv partials can pass 2^31 elements.
-    lse_rows = lses_ptr + offs_r.to(tl.int64) * stride_lses_r
-    part_rows = outs_ptr + offs_r.to(tl.int64) * stride_outs_r
+    lse_rows = lses_ptr + group * stride_lses_g + in_group * stride_lses_r
+    part_rows = outs_ptr + group * stride_outs_g + in_group * stride_outs_r
     out_rows = out_ptr + offs_r.to(tl.int64) * stride_out_r
 
     # Pass 1: the largest finite lse of each row, and whether any lse is NaN or +inf.
@@ -131,10 +136,25 @@ def launch_merge(
 ) -> None:
     """Merge ``outs [N, R, Dv]`` / ``lses [N, R]`` into ``out [R, Dv]`` / ``out_lse [R]``.
 
+    ``outs [N, G, R / G, Dv]`` / ``lses [N, G, R / G]`` (any strides) hold the rows in G
+    groups, e.g. stage 1's partials per request, whose rows past S_q x H pad a row group.
     ``outs`` and ``out`` must have unit stride in their last dim; ``out`` may have any float
     dtype (the fp32 result is rounded on store) and ``out_lse`` is fp32.
     """
-    num_parts, rows, head_dim_v = outs.shape
+    if outs.dim() == 3:
+        outs, lses = outs.unsqueeze(1), lses.unsqueeze(1)
+    if outs.dim() != 4 or tuple(lses.shape) != tuple(outs.shape[:-1]):
+        raise ValueError(
+            "launch_merge: outs must be [N, R, Dv] or [N, G, R / G, Dv] and lses its shape "
+            f"without Dv, got {tuple(outs.shape)} and {tuple(lses.shape)}"
+        )
+    num_parts, groups, rows_per_group, head_dim_v = outs.shape
+    rows = groups * rows_per_group
+    if tuple(out.shape) != (rows, head_dim_v) or tuple(out_lse.shape) != (rows,):
+        raise ValueError(
+            f"launch_merge: out must be [{rows}, {head_dim_v}] and out_lse [{rows}], got "
+            f"{tuple(out.shape)} and {tuple(out_lse.shape)}"
+        )
     if rows == 0:
         return
     for name, t in (("outs", outs), ("out", out)):
@@ -162,10 +182,13 @@ def launch_merge(
         out_lse,
         num_parts,
         rows,
+        rows_per_group,
         outs.stride(0),
         outs.stride(1),
+        outs.stride(2),
         lses.stride(0),
         lses.stride(1),
+        lses.stride(2),
         out.stride(0),
         HEAD_DIM_V=head_dim_v,
         BLOCK_P=block_p,

@@ -264,8 +264,9 @@ def _compile_stage1_resources(
     kv_cache = torch.empty(pages, page_size, head_dim, dtype=kv_dtype, **meta)
     block_table = torch.empty(batch, triton.cdiv(pages, batch), dtype=torch.int32, **meta)
     seqlens = torch.empty(batch, dtype=torch.int32, **meta)
-    part_out = torch.empty(2, batch, q_len, num_heads, head_dim_v, **meta)
-    part_lse = torch.empty(2, batch, q_len, num_heads, **meta)
+    part_out, part_lse, rows_padded = _partials(
+        2, batch, q_len, num_heads, head_dim_v, num_groups * config.block_h, "meta"
+    )
     _, args, kwargs = _stage1_arguments(
         q,
         q_scale,
@@ -284,6 +285,7 @@ def _compile_stage1_resources(
         config=config,
         target=here,
         dot_types=dot_types,
+        rows_padded=rows_padded,
     )
     if backend == "cuda":
         gpu_target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)
@@ -660,7 +662,8 @@ def _mla_decode_stage1(
     kv_ptr,  # [num_blocks, PAGE_SIZE, D], unit stride in D
     block_table_ptr,  # [B, max_blocks] int32
     seqlens_ptr,  # [B] int32
-    out_ptr,  # [splits, B, S_q, H, Dv] (fp32 partials) or [B, S_q, H, Dv] (final, 1 split)
+    out_ptr,  # [splits, B, S_q, H, Dv] (fp32 partials; ROWS_PADDED: num_groups x BLOCK_H row
+    # slots per request) or [B, S_q, H, Dv] (final, 1 split)
     lse_ptr,  # [splits, B, S_q, H] fp32 or [B, S_q, H]
     fault_ptr,  # [1] int32, FAULT_* bits ORed in (read only with HAS_FAULT_FLAG)
     qk_scale,  # softmax scale x kv dequant scale x log2(e): scores in base 2
@@ -705,6 +708,7 @@ def _mla_decode_stage1(
     NUM_XCDS: tl.constexpr,
     HAS_FAULT_FLAG: tl.constexpr,
     PREFETCH_IDS: tl.constexpr,
+    ROWS_PADDED: tl.constexpr,
 ):
     num_programs = tl.num_programs(0)
     pid = _remap_for_xcds(tl.program_id(0), num_programs, NUM_XCDS)
@@ -952,8 +956,10 @@ def _mla_decode_stage1(
     )
     out = tl.where(empty[:, None], 0.0, acc * norm[:, None])
     # Masks written apart from the q loads' (which CSE would merge and keep live through
-    # the walk), and none where every row and column is real.
-    FULL_ROWS: tl.constexpr = Q_LEN * NUM_HEADS % BLOCK_H == 0
+    # the walk), and none where every row and column is real or, with ROWS_PADDED, has a
+    # slot (partials allocated num_groups x BLOCK_H rows per request): no row mask then
+    # stays live through the walk either.
+    FULL_ROWS: tl.constexpr = ROWS_PADDED or Q_LEN * NUM_HEADS % BLOCK_H == 0
     if FULL_ROWS and HEAD_DIM_V == BLOCK_DV * DV_CHUNKS:
         tl.store(out_rows[:, None] + offs_dv[None, :], out)
     else:
@@ -1178,6 +1184,30 @@ def _stage1_q(
     )
 
 
+def _partials(
+    splits: int,
+    batch: int,
+    q_len: int,
+    num_heads: int,
+    head_dim_v: int,
+    group_rows: int,
+    device,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Stage 1's fp32 partials ``(out [splits, B, S_q, H, Dv], lse [splits, B, S_q, H],
+    rows_padded)``: views of buffers that hold ``group_rows`` (num_groups x BLOCK_H) rows
+    per request, so that the rows padding the last group have slots of their own and stage
+    1 stores every row unmasked (``ROWS_PADDED``); plain buffers where no row pads."""
+    rows = q_len * num_heads
+    out = torch.empty(splits, batch, group_rows, head_dim_v, dtype=torch.float32, device=device)
+    lse = torch.empty(splits, batch, group_rows, dtype=torch.float32, device=device)
+    shape = (splits, batch, q_len, num_heads)
+    return (
+        out[:, :, :rows].view(*shape, head_dim_v),
+        lse[:, :, :rows].view(shape),
+        group_rows != rows,
+    )
+
+
 def _stage1_arguments(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
@@ -1197,10 +1227,13 @@ def _stage1_arguments(
     config: LaunchConfig,
     target: TritonTarget,
     dot_types: dict,
+    rows_padded: bool = False,
 ) -> tuple[tuple[int], tuple, dict]:
     """``(grid, args, kwargs)`` of the stage-1 launch: what ``mla_decode`` runs and what
     ``programs_per_cu`` compiles (on meta tensors) to read the kernel's resources. ``q`` and
-    ``q_scale`` as ``_stage1_q`` gives them; ``dot_types`` from the caller's q dtype."""
+    ``q_scale`` as ``_stage1_q`` gives them; ``dot_types`` from the caller's q dtype.
+    ``rows_padded``: ``part_out`` / ``part_lse`` are views of ``_partials`` buffers, with a
+    slot for every row of every group (the kernel then writes the padded rows too)."""
     _, q_len, num_heads, head_dim = q.shape
     rope_dim = head_dim - head_dim_v
     dequant = 1.0 if kv_scale is None else float(kv_scale)
@@ -1268,6 +1301,7 @@ def _stage1_arguments(
         NUM_XCDS=config.num_xcds,
         HAS_FAULT_FLAG=fault_flag is not None,
         PREFETCH_IDS=config.prefetch_ids,
+        ROWS_PADDED=rows_padded,
         # FP8_MAX is quantize_q's.
         **{k: v for k, v in dot_types.items() if k != "FP8_MAX"},
         **config.launch_options(target),
@@ -1368,18 +1402,16 @@ def mla_decode(
     lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
     if num_kv_splits == 1:
         part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)
+        rows_padded = False
     else:
-        part_out = torch.empty(
+        part_out, part_lse, rows_padded = _partials(
             num_kv_splits,
             batch,
             q_len,
             num_heads,
             head_dim_v,
-            dtype=torch.float32,
-            device=q.device,
-        )
-        part_lse = torch.empty(
-            num_kv_splits, batch, q_len, num_heads, dtype=torch.float32, device=q.device
+            num_groups * config.block_h,
+            q.device,
         )
 
     dot_types = _dot_types(q.dtype, kv_cache.dtype, target, config)
@@ -1402,12 +1434,13 @@ def mla_decode(
         config=config,
         target=target,
         dot_types=dot_types,
+        rows_padded=rows_padded,
     )
     _mla_decode_stage1[grid](*args, **kwargs)
     if num_kv_splits > 1:
         launch_merge(
-            part_out.view(num_kv_splits, batch * rows, head_dim_v),
-            part_lse.view(num_kv_splits, batch * rows),
+            part_out.view(num_kv_splits, batch, rows, head_dim_v),
+            part_lse.view(num_kv_splits, batch, rows),
             out.view(batch * rows, head_dim_v),
             lse.view(batch * rows),
             target,

@@ -318,6 +318,7 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
                   BLOCK_W=min(config.block_n, 32 if kv_dtype == fp8 else 16),
                   BLOCK_DV=512 // config.dv_chunks, DV_CHUNKS=config.dv_chunks, BLOCK_DR=64,
                   NUM_XCDS=config.num_xcds, HAS_FAULT_FLAG=True, PREFETCH_IDS=config.prefetch_ids,
+                  ROWS_PADDED=False,
                   **{k: v for k, v in dot_types.items() if k != "FP8_MAX"})
     # With fp8 Q K^T stage 1 reads q quantized per row (quantize_q).
     q_type = kv_dtype if dot_types["QK_FP8"] else q_dtype

@@ -215,3 +215,31 @@ def test_public_merge_states_uses_the_device_path():
     ref_out, ref_lse = merge_states(outs, lses)
     torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
+
+
+def test_grouped_partials_skip_the_rows_that_pad_a_group():
+    """Stage 1's padded partials: 3 requests x 5 real rows in slots of 8; the padding rows
+    hold NaN and +inf, which must never be read."""
+    outs, lses = random_partials(4, (3, 5), 64, seed=5)
+    ref_out, ref_lse = merge_states(outs.to(DEVICE), lses.to(DEVICE))
+    padded_outs = torch.full((4, 3, 8, 64), math.nan, device=DEVICE)
+    padded_lses = torch.full((4, 3, 8), math.inf, device=DEVICE)
+    padded_outs[:, :, :5] = outs.to(DEVICE)
+    padded_lses[:, :, :5] = lses.to(DEVICE)
+    out = torch.empty(15, 64, device=DEVICE)
+    lse = torch.empty(15, device=DEVICE)
+    launch_merge(padded_outs[:, :, :5], padded_lses[:, :, :5], out, lse)
+    torch.testing.assert_close(
+        out.cpu(), ref_out.reshape(15, 64).cpu(), atol=1e-6, rtol=1e-6, equal_nan=True
+    )
+    torch.testing.assert_close(
+        lse.cpu(), ref_lse.reshape(15).cpu(), atol=1e-6, rtol=1e-6, equal_nan=True
+    )
+
+
+def test_launch_merge_names_mismatched_shapes():
+    outs, lses = torch.zeros(2, 3, 4, 64), torch.zeros(2, 3, 5)
+    with pytest.raises(ValueError, match=r"lses its shape without Dv, got \(2, 3, 4, 64\)"):
+        launch_merge(outs, lses, torch.empty(12, 64), torch.empty(12))
+    with pytest.raises(ValueError, match=r"out must be \[12, 64\]"):
+        launch_merge(outs, lses[:, :, :4], torch.empty(10, 64), torch.empty(10))

@@ -374,6 +374,8 @@ def test_softmax_in_or_out_of_a_branch_matches_torch(
         (32, 32, 2, 16, 2, [70, 5], 3),
         (64, 64, 1, 128, 1, [66], 2),  # H = 128: two 64-row groups
         (64, 16, 2, 20, 3, [19, 2, 0], 1),  # 60 rows, padded to 64
+        (64, 16, 2, 20, 3, [19, 2, 0], 3),  # the same through padded partials
+        (64, 64, 1, 48, 1, [66, 5, 0], 2),  # DCP4's 48 gathered heads in a 64-row group
     ],
 )
 def test_row_groups_and_dv_halves_across_head_counts(
