@@ -1255,6 +1255,12 @@ def _stage1_arguments(
                 f"_stage1_arguments: {name} must hold S_q and H adjacent (stride(2) == H x "
                 f"stride(3)), got strides {buffer.stride()}"
             )
+        # Padded rows are written: each request must have a slot for all of them.
+        if rows_padded and buffer.stride(1) < num_groups * config.block_h * buffer.stride(3):
+            raise RuntimeError(
+                f"_stage1_arguments: {name} must hold {num_groups} x {config.block_h} rows "
+                f"per request with rows_padded, got strides {buffer.stride()}"
+            )
     args = (
         q,
         # Without fp8 Q any pointer will do: QK_FP8=False never reads it.

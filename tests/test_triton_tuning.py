@@ -560,3 +560,26 @@ def test_amd_compute_bound_configs_on_the_interpreter(target, heads, q_len, kind
     out, lse = run_kernel(q, kv, bt, lens, config=config, splits=2)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float16])
+
+
+def test_padded_rows_need_a_slot_for_every_row():
+    """``rows_padded`` makes stage 1 write every row of every group: buffers without those
+    slots are refused before the launch."""
+    q, kv, bt, lens = prepared([20, 3], heads=20, q_len=3)
+    config = tables.LaunchConfig(block_h=64, block_n=16, num_warps=4, num_stages=1)
+    target = kernel.triton_target()
+    dot_types = kernel._dot_types(q.dtype, kv.dtype, target, config)
+
+    def arguments(out, lse):
+        return kernel._stage1_arguments(
+            q, None, kv, bt, lens, out, lse, None, head_dim_v=512, softmax_scale=0.1,
+            causal=True, kv_scale=None, num_groups=1, num_kv_splits=2, config=config,
+            target=target, dot_types=dot_types, rows_padded=True,
+        )  # fmt: skip
+
+    out, lse, rows_padded = kernel._partials(2, 2, 3, 20, 512, 64, DEVICE)
+    assert rows_padded and out.stride(1) == 64 * 512 and lse.stride(1) == 64
+    arguments(out, lse)
+    plain = torch.empty(2, 2, 3, 20, 512, device=DEVICE), torch.empty(2, 2, 3, 20, device=DEVICE)
+    with pytest.raises(RuntimeError, match="part_out must hold 1 x 64 rows per request"):
+        arguments(*plain)
