@@ -1197,15 +1197,32 @@ def _partials(
     rows_padded)``: views of buffers that hold ``group_rows`` (num_groups x BLOCK_H) rows
     per request, so that the rows padding the last group have slots of their own and stage
     1 stores every row unmasked (``ROWS_PADDED``); plain buffers where no row pads."""
-    rows = q_len * num_heads
     out = torch.empty(splits, batch, group_rows, head_dim_v, dtype=torch.float32, device=device)
     lse = torch.empty(splits, batch, group_rows, dtype=torch.float32, device=device)
+    # as_strided, not view: a view may give a size-1 dim (B = 1) any stride, and the
+    # stride check in _stage1_arguments reads the strides of the real buffer.
     shape = (splits, batch, q_len, num_heads)
+    lse_strides = (batch * group_rows, group_rows, num_heads, 1)
     return (
-        out[:, :, :rows].view(*shape, head_dim_v),
-        lse[:, :, :rows].view(shape),
-        group_rows != rows,
+        out.as_strided((*shape, head_dim_v), (*(s * head_dim_v for s in lse_strides), 1)),
+        lse.as_strided(shape, lse_strides),
+        group_rows != q_len * num_heads,
     )
+
+
+def _holds_padded_rows(buffer: torch.Tensor, group_rows: int) -> bool:
+    """Whether ``buffer`` ([splits, B, S_q, H(, Dv)]) has, for every split and request, a
+    slot of ``group_rows`` rows that no other split or request shares and that lies inside
+    its storage. Strides of size-1 dims address nothing and are not read."""
+    splits, batch = buffer.shape[:2]
+    span = group_rows * buffer.stride(3)
+    request_end = (batch - 1) * buffer.stride(1) + span
+    if batch > 1 and buffer.stride(1) < span:
+        return False
+    if splits > 1 and buffer.stride(0) < request_end:
+        return False
+    end = buffer.storage_offset() + (splits - 1) * buffer.stride(0) + request_end
+    return end * buffer.element_size() <= buffer.untyped_storage().nbytes()
 
 
 def _stage1_arguments(
@@ -1256,10 +1273,12 @@ def _stage1_arguments(
                 f"stride(3)), got strides {buffer.stride()}"
             )
         # Padded rows are written: each request must have a slot for all of them.
-        if rows_padded and buffer.stride(1) < num_groups * config.block_h * buffer.stride(3):
+        if rows_padded and not _holds_padded_rows(buffer, num_groups * config.block_h):
             raise RuntimeError(
                 f"_stage1_arguments: {name} must hold {num_groups} x {config.block_h} rows "
-                f"per request with rows_padded, got strides {buffer.stride()}"
+                f"per request with rows_padded, got shape {tuple(buffer.shape)}, strides "
+                f"{buffer.stride()}, storage offset {buffer.storage_offset()} in a storage "
+                f"of {buffer.untyped_storage().nbytes()} bytes"
             )
     args = (
         q,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
@@ -168,6 +168,8 @@ def test_bfloat16_runs_with_fp32_tiles():
     causal=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+# Found by this test: one request whose row pads its group, through split partials.
+@example(lengths=[0], heads=1, q_len=1, block=1, splits=2, causal=False, seed=0)
 def test_fuzz_triton_against_torch(lengths, heads, q_len, block, splits, causal, seed):
     q, kv, bt, lens = problem(
         lengths, heads=heads, q_len=q_len, block=block, head_dim=48, seed=seed

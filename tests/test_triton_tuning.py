@@ -376,6 +376,9 @@ def test_softmax_in_or_out_of_a_branch_matches_torch(
         (64, 16, 2, 20, 3, [19, 2, 0], 1),  # 60 rows, padded to 64
         (64, 16, 2, 20, 3, [19, 2, 0], 3),  # the same through padded partials
         (64, 64, 1, 48, 1, [66, 5, 0], 2),  # DCP4's 48 gathered heads in a 64-row group
+        # One request through padded partials: the batch stride addresses nothing.
+        (16, 16, 2, 1, 1, [37], 2),  # 1 real row of 16
+        (64, 64, 1, 48, 1, [66], 2),
     ],
 )
 def test_row_groups_and_dv_halves_across_head_counts(
@@ -583,3 +586,9 @@ def test_padded_rows_need_a_slot_for_every_row():
     plain = torch.empty(2, 2, 3, 20, 512, device=DEVICE), torch.empty(2, 2, 3, 20, device=DEVICE)
     with pytest.raises(RuntimeError, match="part_out must hold 1 x 64 rows per request"):
         arguments(*plain)
+    # One request: its slot must lie inside the storage, whatever stride B = 1 shows.
+    q, kv, bt, lens = prepared([20], heads=20, q_len=3)
+    arguments(*kernel._partials(2, 1, 3, 20, 512, 64, DEVICE)[:2])
+    short = torch.empty(2, 1, 3, 20, 512, device=DEVICE), torch.empty(2, 1, 3, 20, device=DEVICE)
+    with pytest.raises(RuntimeError, match=r"part_out must hold .* storage of 245760 bytes"):
+        arguments(*short)
