@@ -512,6 +512,7 @@ def _attend_tile(
     PV_FP8: tl.constexpr,
     V_VIA_REGISTERS: tl.constexpr,
     FOLD_IN_BRANCH: tl.constexpr,
+    KEYS_AS_M: tl.constexpr,
     FP8_DTYPE: tl.constexpr,
     FP8_EMULATE_MIN_EXP: tl.constexpr,
     P_SCALE: tl.constexpr,
@@ -581,15 +582,32 @@ def _attend_tile(
         token[:, None] + HEAD_DIM_V + offs_dr[None, :], mask=key_mask & dr_mask[None, :], other=0.0
     )
     # "ieee": fp32 tiles must not be rounded to tf32 (16-bit and fp8 inputs are exact).
-    scores = tl.dot(q_nope, tl.trans(kv_nope.to(K_DTYPE)), input_precision="ieee")
+    # KEYS_AS_M: keys as the dots' M, rows as N: S^T = K Q^T, and (below) O^T = V^T P^T,
+    # with Q^T formed once before the walk (so its shared copy is made once, not per tile).
+    # sm90's fp8 wgmma has M = 64 (per warpgroup) and N any multiple of 8: a group of 16 or
+    # 32 rows then issues no padded rows. The softmax step works on S (a transpose is a
+    # layout change); the accumulator is carried as O^T.
+    if KEYS_AS_M:
+        scores = tl.dot(kv_nope.to(K_DTYPE), q_nope, input_precision="ieee")
+    else:
+        scores = tl.dot(q_nope, tl.trans(kv_nope.to(K_DTYPE)), input_precision="ieee")
     if DV_CHUNKS == 2:
         kv_nope_hi = tl.load(
             token[:, None] + BLOCK_DV + offs_dv[None, :],
             mask=key_mask & dv_mask_hi[None, :],
             other=0.0,
         )
-        scores = tl.dot(q_nope_hi, tl.trans(kv_nope_hi.to(K_DTYPE)), scores, input_precision="ieee")
-    scores_rope = tl.dot(q_rope, tl.trans(kv_rope.to(K_DTYPE)), input_precision="ieee")
+        if KEYS_AS_M:
+            scores = tl.dot(kv_nope_hi.to(K_DTYPE), q_nope_hi, scores, input_precision="ieee")
+        else:
+            scores = tl.dot(
+                q_nope_hi, tl.trans(kv_nope_hi.to(K_DTYPE)), scores, input_precision="ieee"
+            )
+    if KEYS_AS_M:
+        scores = tl.trans(scores)
+        scores_rope = tl.trans(tl.dot(kv_rope.to(K_DTYPE), q_rope, input_precision="ieee"))
+    else:
+        scores_rope = tl.dot(q_rope, tl.trans(kv_rope.to(K_DTYPE)), input_precision="ieee")
     # ``FOLD_IN_BRANCH`` (CUDA): the softmax step sits in a branch (always taken: the walk
     # stops at ``end``) so that no dot depends on the score dots within one block of code.
     # Triton lays the warps of a dot whose result reaches another dot along M only ([8, 1]
@@ -640,18 +658,32 @@ def _attend_tile(
             )
     if V_VIA_REGISTERS:
         # fp8 wgmma reads K-major operands only: V (keys x Dv, Dv contiguous) is transposed
-        # through registers. A no-op register op on the loaded tile (a bitcast) leaves its
-        # load a plain dot operand, which Triton copies asynchronously into the pipelined
-        # shared buffers, and the transpose reads it from there; with V's dot as its only
-        # other use, the load itself would go to registers, synchronously.
+        # through registers (with KEYS_AS_M it stays there, P.V's register A operand). A
+        # no-op register op on the loaded tile (a bitcast) leaves its load a plain dot
+        # operand, which Triton copies asynchronously into the pipelined shared buffers,
+        # and the transpose reads it from there; with V's dot as its only other use, the
+        # load itself would go to registers, synchronously.
         kv_nope = kv_nope.to(tl.int8, bitcast=True).to(V_DTYPE, bitcast=True)
         if DV_CHUNKS == 2:
             kv_nope_hi = kv_nope_hi.to(tl.int8, bitcast=True).to(V_DTYPE, bitcast=True)
-    acc = tl.dot(p, kv_nope.to(V_DTYPE), acc * rescale[:, None], input_precision="ieee")
-    if DV_CHUNKS == 2:
-        acc_hi = tl.dot(
-            p, kv_nope_hi.to(V_DTYPE), acc_hi * rescale[:, None], input_precision="ieee"
+    if KEYS_AS_M:
+        p = tl.trans(p)
+        acc = tl.dot(
+            tl.trans(kv_nope.to(V_DTYPE)), p, acc * rescale[None, :], input_precision="ieee"
         )
+        if DV_CHUNKS == 2:
+            acc_hi = tl.dot(
+                tl.trans(kv_nope_hi.to(V_DTYPE)),
+                p,
+                acc_hi * rescale[None, :],
+                input_precision="ieee",
+            )
+    else:
+        acc = tl.dot(p, kv_nope.to(V_DTYPE), acc * rescale[:, None], input_precision="ieee")
+        if DV_CHUNKS == 2:
+            acc_hi = tl.dot(
+                p, kv_nope_hi.to(V_DTYPE), acc_hi * rescale[:, None], input_precision="ieee"
+            )
     return new_max, denom, acc, acc_hi, next_block
 
 
@@ -702,6 +734,7 @@ def _mla_decode_stage1(
     PV_FP8: tl.constexpr,
     V_VIA_REGISTERS: tl.constexpr,
     FOLD_IN_BRANCH: tl.constexpr,
+    KEYS_AS_M: tl.constexpr,
     FP8_DTYPE: tl.constexpr,
     FP8_EMULATE_MIN_EXP: tl.constexpr,
     P_SCALE: tl.constexpr,
@@ -780,12 +813,21 @@ def _mla_decode_stage1(
     q_rope = q_rope.to(K_DTYPE)
     if DV_CHUNKS == 2:
         q_nope_hi = q_nope_hi.to(K_DTYPE)
+    if KEYS_AS_M:
+        # Q^T, the dots' N operand, formed once (_attend_tile takes it transposed).
+        q_nope = tl.trans(q_nope)
+        q_rope = tl.trans(q_rope)
+        if DV_CHUNKS == 2:
+            q_nope_hi = tl.trans(q_nope_hi)
 
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    if KEYS_AS_M:  # carried as O^T (see _attend_tile)
+        acc = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     if DV_CHUNKS == 2:
-        acc_hi = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        acc_hi = tl.zeros_like(acc)
     else:
         # Placeholders the tile step carries untouched with one V part.
         acc_hi = tl.zeros([1], tl.float32)
@@ -880,6 +922,7 @@ def _mla_decode_stage1(
             PV_FP8,
             V_VIA_REGISTERS,
             FOLD_IN_BRANCH,
+            KEYS_AS_M,
             FP8_DTYPE,
             FP8_EMULATE_MIN_EXP,
             P_SCALE,
@@ -931,6 +974,7 @@ def _mla_decode_stage1(
                 PV_FP8,
                 V_VIA_REGISTERS,
                 FOLD_IN_BRANCH,
+                KEYS_AS_M,
                 FP8_DTYPE,
                 FP8_EMULATE_MIN_EXP,
                 P_SCALE,
@@ -954,6 +998,10 @@ def _mla_decode_stage1(
         + b.to(tl.int64) * stride_out_b
         + rows.to(tl.int64) * stride_out_h
     )
+    if KEYS_AS_M:
+        acc = tl.trans(acc)
+        if DV_CHUNKS == 2:
+            acc_hi = tl.trans(acc_hi)
     out = tl.where(empty[:, None], 0.0, acc * norm[:, None])
     # Masks written apart from the q loads' (which CSE would merge and keep live through
     # the walk), and none where every row and column is real or, with ROWS_PADDED, has a
@@ -1007,6 +1055,9 @@ def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
         "prefetch_ids": config.prefetch_ids
         if config.shrunk_prefetch_ids is None
         else config.shrunk_prefetch_ids,
+        "keys_as_m": config.keys_as_m
+        if config.shrunk_keys_as_m is None
+        else config.shrunk_keys_as_m,
     }
     if config.rows_per_warp is None:
         block_h = max(config.min_block_h, min(config.block_h, triton.next_power_of_2(rows)))
@@ -1156,6 +1207,7 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
         "V_VIA_REGISTERS": pv_fp8 and target.backend == "cuda",
         # See _attend_tile: the softmax step apart from the dots (CUDA) or with them (AMD).
         "FOLD_IN_BRANCH": target.backend != "hip",
+        "KEYS_AS_M": config.keys_as_m,
         "FP8_DTYPE": _TL_DTYPES[fp8_dtype],
         # Smallest normal exponents: e4m3fn 2^-6, e4m3fnuz 2^-7.
         "FP8_EMULATE_MIN_EXP": (-6.0 if fp8_dtype == torch.float8_e4m3fn else -7.0)
@@ -1264,6 +1316,9 @@ def _stage1_arguments(
     block_w = min(
         config.block_n, max(32 if fp8_dot else 16, triton.next_power_of_2(max(q_len - 1, 1)))
     )
+    if config.keys_as_m:
+        # Keys are the dots' M: a tail tile of fewer keys than the walk's would pad them.
+        block_w = config.block_n
     # Stage 1 addresses an output row (query i, head h) as row i x H + h: the buffers are
     # ours, allocated [splits, B, S_q, H(, Dv)] with S_q and H adjacent.
     for name, buffer in (("part_out", part_out), ("part_lse", part_lse)):

@@ -64,6 +64,11 @@ class LaunchConfig:
     #: wgmma's, and only with the ids a trip ahead.
     shrunk_num_stages: int | None = None
     shrunk_prefetch_ids: bool | None = None
+    #: Keys as the dots' M and query rows as N (S^T = K Q^T, O^T = V^T P^T), for a row
+    #: group smaller than the target's smallest matrix M (sm90's fp8 wgmma: 64 per
+    #: warpgroup), so that no padded row is issued. ``shrunk_keys_as_m``: for a shrunk group.
+    keys_as_m: bool = False
+    shrunk_keys_as_m: bool | None = None
     #: BLOCK_H never shrinks below this (sm90 fp8: only wgmma has fp8 operands, M = 64).
     min_block_h: int = 16
 
@@ -176,7 +181,10 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
         # 64 rows (wgmma): two stages, so the next tile's copies are issued while this one
         # is computed (two smem buffers, 224 KB with Q and P). 16 or 32 rows (mma.sync):
         # three, with the block ids a trip ahead (else one buffer is all the pipeliner
-        # makes).
+        # makes). fp8 has no mma.sync (Triton upcasts it to f16): its groups under 64 rows
+        # keep wgmma with keys as M (S^T = K Q^T: M the 64 keys, N the 16 or 32 rows; each
+        # warpgroup half of N for Q.K^T and half of Dv for P.V), so 96 rows run as three
+        # 32-row groups with no padded row issued rather than two 64-row groups (1.33).
         ("*", "*", "16bit"): TableEntry(
             LaunchConfig(
                 block_h=64,
@@ -198,10 +206,12 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
                 num_stages=3,
                 fp8_qk=True,
                 fp8_pv=True,
-                min_block_h=64,
+                shrunk_prefetch_ids=True,
+                shrunk_keys_as_m=True,
             ),
             "unmeasured: the bf16 winner with fp8 dots (half the tile bytes, no upcast); "
-            "64-row groups at any head count (fp8 runs on wgmma only)",
+            "compiled for sm90: a group under 64 rows runs keys as M (issued/useful 1.0 at "
+            "16 and 32 rows, against 4.0 and 2.0 as rows), three KV smem buffers, no spills",
         ),
         # fp32 tiles are twice the bytes: three 64-key stages would not fit.
         ("*", "*", "fp32"): TableEntry(

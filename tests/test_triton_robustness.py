@@ -39,7 +39,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIG = LaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
 
 
-def decode(q, kv, bt, lens, *, splits, softmax_scale=None):
+#: The same tiles with keys as the dots' M (sm90's fp8 groups under 64 rows).
+KEYS_AS_M = LaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, keys_as_m=True)
+
+
+def decode(q, kv, bt, lens, *, splits, softmax_scale=None, config=CONFIG):
     p = prepare_decode(
         q, kv, bt, lens, head_dim_v=512, softmax_scale=softmax_scale, causal=True, kv_scale=None
     )
@@ -51,7 +55,7 @@ def decode(q, kv, bt, lens, *, splits, softmax_scale=None):
         head_dim_v=512,
         softmax_scale=p.softmax_scale,
         num_kv_splits=splits,
-        config=CONFIG,
+        config=config,
     )
 
 
@@ -133,7 +137,8 @@ def sparse_buffer(num_elements: int, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the sparse host buffer is a CPU tensor")
 @pytest.mark.parametrize("splits", [1, 2])
-def test_views_with_element_offsets_past_2_pow_31_match_torch(splits):
+@pytest.mark.parametrize("config", [CONFIG, KEYS_AS_M], ids=["rows-as-m", "keys-as-m"])
+def test_views_with_element_offsets_past_2_pow_31_match_torch(splits, config):
     """q's heads and the cache's tokens sit 2^28 elements apart, so head 8+ of q and token
     8+ of every block lie past 2^31 elements (fp16: 4 GiB) from the view's start.
 
@@ -166,7 +171,7 @@ def test_views_with_element_offsets_past_2_pow_31_match_torch(splits):
         head_dim_v=512,
         softmax_scale=p.softmax_scale,
         num_kv_splits=splits,
-        config=CONFIG,
+        config=config,
     )
     ref = prepare_decode(
         q, kv, bt, lens, head_dim_v=512, softmax_scale=None, causal=True, kv_scale=None
@@ -196,19 +201,24 @@ def test_merge_partials_past_2_pow_31_elements():
     torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("fold_in_branch", [True, False])
+@pytest.mark.parametrize(
+    ("fold_in_branch", "config"),
+    [(True, CONFIG), (False, CONFIG), (True, KEYS_AS_M)],
+    ids=["branch", "with-dots", "branch-keys-as-m"],
+)
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 @pytest.mark.parametrize(("key", "seen_from"), [(31, 2), (32, 3), (29, 0), (3, 0)])
 def test_a_non_finite_v_element_reaches_only_the_window_queries_that_see_its_key(
-    monkeypatch, fold_in_branch, splits, value, key, seen_from
+    monkeypatch, fold_in_branch, config, splits, value, key, seen_from
 ):
     """4 heads x S_q 4 in one 16-row group over 16-key tiles: request 0 (33 keys) has its
     window's keys (30-32) in the tail tiles at keys 16 and 32, which drop from P.V the keys
     no row scores finitely; the walk takes keys 0-29, and the first tail tile reads 16-29
     again without seeing them. Query i sees keys below 30 + i. A non-finite V element
     poisons exactly the queries that see its key, whichever loop reads it, with the
-    softmax step in a branch (CUDA) or with the dots (AMD)."""
+    softmax step in a branch (CUDA) or with the dots (AMD), and with keys as the dots' M
+    (the tail tiles then have BLOCK_N keys: 16 here, so the same tiles)."""
     dot_types = kernel._dot_types
     monkeypatch.setattr(
         kernel,
@@ -219,7 +229,7 @@ def test_a_non_finite_v_element_reaches_only_the_window_queries_that_see_its_key
     q, kv, bt, lens = q.to(DEVICE), kv.to(DEVICE), bt.to(DEVICE), lens.to(DEVICE)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
     kv[int(bt[0, key // 16]), key % 16, 7] = value
-    out, lse = decode(q, kv, bt, lens, splits=splits)
+    out, lse = decode(q, kv, bt, lens, splits=splits, config=config)
     poisoned = torch.zeros(lse.shape, dtype=torch.bool)
     poisoned[0, seen_from:] = True
     assert_rows(out, lse, poisoned, ref_out, ref_lse)

@@ -117,6 +117,25 @@ def test_sm90_configs_per_group_size_and_amd_is_marked_unmeasured():
         group = kernel._group_config(entry.config, heads * q_len)
         assert (group.block_h, group.num_stages, group.prefetch_ids) == (rows, stages, prefetch)
         assert group.num_warps == 8 and group.block_n == 64
+    # fp8: 64-row groups on wgmma (rows as M); a group shrunk under 64 rows has keys as M
+    # (wgmma's N is its rows), 64-key tiles, three stages, the block ids a trip ahead.
+    for heads, q_len, rows, keys_as_m, stages in (
+        (128, 1, 64, False, 3),
+        (128, 2, 64, False, 3),
+        (48, 1, 64, False, 3),
+        (96, 1, 32, True, 3),
+        (12, 8, 32, True, 3),
+        (24, 1, 32, True, 3),
+        (16, 1, 16, True, 3),
+        (12, 1, 16, True, 3),
+    ):
+        fp8 = torch.float8_e4m3fn
+        entry = kernel.table_entry(SM90, num_heads=heads, q_len=q_len, kv_dtype=fp8)
+        assert entry.source.startswith("unmeasured") and entry.config.fp8_qk
+        group = kernel._group_config(entry.config, heads * q_len)
+        assert (group.block_h, group.keys_as_m, group.num_stages) == (rows, keys_as_m, stages)
+        assert group.block_n == 64 and group.num_warps == 8
+        assert group.prefetch_ids == keys_as_m
     for key, table in tables.TABLES.items():
         if key in ("gfx942", "gfx950"):
             assert all(e.source.startswith("unmeasured") for e in table.values())
@@ -277,14 +296,21 @@ def test_planned_call_makes_no_device_to_host_transfer(monkeypatch):
 
 
 def _table_shape_classes():
-    """Distinct (rows, keys, Dv halves, fp8 dots, ids ahead) among all tables' entries (and
-    their shrunk groups' options), once."""
+    """Distinct (rows, keys, Dv halves, fp8 dots, ids ahead, keys as M) among all tables'
+    entries and their shrunk groups (``_group_config``: half the rows at least, with the
+    ``shrunk_*`` options), once."""
     classes = {}
     for target_key, table in tables.TABLES.items():
         for key, entry in table.items():
             c = entry.config
-            for prefetch in {c.prefetch_ids, c.shrunk_prefetch_ids} - {None}:
-                shape = (c.block_h, c.block_n, c.dv_chunks, c.fp8_qk, c.fp8_pv, prefetch)
+            groups = [c]
+            if c.block_h > 16:
+                groups.append(kernel._group_config(c, c.block_h // 2))
+            for g in groups:
+                shape = (
+                    g.block_h, g.block_n, g.dv_chunks, g.fp8_qk, g.fp8_pv, g.prefetch_ids,
+                    g.keys_as_m,
+                )  # fmt: skip
                 classes.setdefault(shape, []).append((target_key, key))
     return sorted(classes.items())
 
@@ -294,7 +320,7 @@ def _table_shape_classes():
 def test_every_table_shape_class_matches_torch(shape, where, page):
     """Page 16: tiles of 32 or 64 keys span pages (a block id per key); page 64: tiles of 16
     to 64 keys lie in one page (one block id per tile), several tiles per page."""
-    block_h, block_n, dv_chunks, fp8_qk, fp8_pv, prefetch_ids = shape
+    block_h, block_n, dv_chunks, fp8_qk, fp8_pv, prefetch_ids, keys_as_m = shape
     config = tables.LaunchConfig(
         block_h=block_h,
         block_n=block_n,
@@ -304,21 +330,30 @@ def test_every_table_shape_class_matches_torch(shape, where, page):
         fp8_qk=fp8_qk,
         fp8_pv=fp8_pv,
         prefetch_ids=prefetch_ids,
+        keys_as_m=keys_as_m,
     )
     # Enough rows that the group holds block_h of them (64 = 16 heads x 4 positions).
     heads, q_len = (16, block_h // 16)
     if fp8_qk or fp8_pv:
-        q, kv, bt, lens = prepared([70, 3], heads=heads, q_len=q_len, block=page, seed=block_n)
+        problem = prepared([70, 3], heads=heads, q_len=q_len, block=page, seed=block_n)
+    else:
+        problem = prepared(
+            [70, 3], heads=heads, q_len=q_len, block=page, dtype=torch.float16, seed=7
+        )
+    assert_config_matches_torch(*problem, config=config, splits=2)
+
+
+def assert_config_matches_torch(q, kv, bt, lens, *, config, splits):
+    """Stage 1 with ``config`` against the torch reference: with fp8 dots on the cache
+    quantized to e4m3 (scale 0.25), their rounding modelled; else to q's dtype's tolerance."""
+    if config.fp8_qk or config.fp8_pv:
         kv8 = (kv / 0.25).to(torch.float8_e4m3fn)
-        out, lse = run_kernel(q, kv8, bt, lens, config=config, splits=2, kv_scale=0.25)
+        out, lse = run_kernel(q, kv8, bt, lens, config=config, splits=splits, kv_scale=0.25)
         assert_fp8_dot_result(out, lse, q, kv8, bt, lens, 0.25, config)
         return
-    q, kv, bt, lens = prepared(
-        [70, 3], heads=heads, q_len=q_len, block=page, dtype=torch.float16, seed=7
-    )
-    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=2)
+    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=splits)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
-    assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float16])
+    assert_same_attention(out, lse, ref_out, ref_lse, TOL[q.dtype])
 
 
 def fold_scores_in_branch(monkeypatch, fold: bool) -> None:
@@ -391,6 +426,33 @@ def test_row_groups_and_dv_halves_across_head_counts(
     out, lse = run_kernel(q, kv, bt, lens, config=config, splits=splits)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float32])
+
+
+@pytest.mark.parametrize(
+    ("block_h", "block_n", "dv_chunks", "heads", "q_len", "lengths", "splits", "block", "kind"),
+    [
+        (32, 64, 1, 96, 1, [70, 5], 2, 16, "fp16"),  # three 32-row groups, tiles over pages
+        (16, 64, 2, 12, 1, [70, 0], 1, 64, "fp16"),  # 12 rows of 16, V halves, one split
+        (32, 16, 1, 24, 4, [33, 50], 2, 16, "fp32"),  # a window's tail tiles of BLOCK_N keys
+        (32, 64, 1, 12, 2, [45, 9], 3, 64, "fp8"),  # fp8 dots, a window, rows padded
+        (32, 64, 1, 96, 1, [66, 3], 2, 64, "fp8"),
+    ],
+)
+def test_keys_as_m_matches_torch(
+    block_h, block_n, dv_chunks, heads, q_len, lengths, splits, block, kind
+):
+    """Keys as the dots' M (S^T = K Q^T, O^T = V^T P^T; sm90's fp8 groups under 64 rows):
+    the same attention as the torch reference, the fp8 dots' rounding modelled."""
+    fp8 = kind == "fp8"
+    # 4 warps, 1 stage (the interpreter runs neither).
+    config = tables.LaunchConfig(
+        block_h, block_n, 4, 1, dv_chunks, fp8_qk=fp8, fp8_pv=fp8, prefetch_ids=True, keys_as_m=True
+    )
+    dtype = {"fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float32}[kind]
+    problem = prepared(
+        lengths, heads=heads, q_len=q_len, block=block, dtype=dtype, seed=sum(lengths)
+    )
+    assert_config_matches_torch(*problem, config=config, splits=splits)
 
 
 def test_dv_halves_with_a_dv_that_is_not_a_power_of_two():
