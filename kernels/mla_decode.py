@@ -735,6 +735,7 @@ def _mla_decode_stage1(
     V_VIA_REGISTERS: tl.constexpr,
     FOLD_IN_BRANCH: tl.constexpr,
     KEYS_AS_M: tl.constexpr,
+    REMAT_ROWS: tl.constexpr,
     FP8_DTYPE: tl.constexpr,
     FP8_EMULATE_MIN_EXP: tl.constexpr,
     P_SCALE: tl.constexpr,
@@ -992,6 +993,15 @@ def _mla_decode_stage1(
     # running_max is in base 2: lse = ln(2) * (max + log2(denom)).
     lse = tl.where(empty, float("-inf"), (running_max + tl.log2(safe_denom)) * 0.6931471805599453)
 
+    if REMAT_ROWS:
+        # The output rows from an opaque copy of the group id (a mov the compiler cannot
+        # see through), so they are recomputed here rather than the q loads' row indices
+        # staying live through the walk (sm90 H128: 15 registers, spilled at 255).
+        group = tl.inline_asm_elementwise(
+            "mov.u32 $0, $1;", "=r,r", [group], dtype=tl.int32, is_pure=False, pack=1
+        )
+        rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
+        row_valid = rows < Q_LEN * NUM_HEADS
     out_rows = (
         out_ptr
         + split.to(tl.int64) * stride_out_split
@@ -1208,6 +1218,8 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
         # See _attend_tile: the softmax step apart from the dots (CUDA) or with them (AMD).
         "FOLD_IN_BRANCH": target.backend != "hip",
         "KEYS_AS_M": config.keys_as_m,
+        # NVIDIA: stage 1 recomputes its output rows after the walk (an opaque mov).
+        "REMAT_ROWS": target.backend == "cuda",
         "FP8_DTYPE": _TL_DTYPES[fp8_dtype],
         # Smallest normal exponents: e4m3fn 2^-6, e4m3fnuz 2^-7.
         "FP8_EMULATE_MIN_EXP": (-6.0 if fp8_dtype == torch.float8_e4m3fn else -7.0)

@@ -353,14 +353,7 @@ def test_gates_fail_on_a_spilling_and_a_replicating_kernel() -> None:
 #: by Triton 3.9 (``benchmarks/results/kernel-static-*.md`` has the evidence for every case).
 #: The test below fails on any other failing gate (a regression) and on any listed gate that
 #: now passes (so this list only shrinks, in the commit that fixes it).
-KNOWN_GAPS = frozenset(
-    {
-        # sm90: the 64-row group's one-split build (B 128, final bf16 out) keeps the row
-        # indices of the q loads live through the walk for the output store at 255
-        # registers (60 B of spill).
-        "H128 Sq1 bf16 / sm90: no_spills",
-    }
-)
+KNOWN_GAPS: frozenset[str] = frozenset()
 
 
 @pytest.mark.slow
