@@ -981,47 +981,65 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
 # ---- the run --------------------------------------------------------------------------------
 
 
+def record_target(cases: tuple[Case, ...], target: GpuTarget) -> tuple[dict, dict]:
+    """Every case's planned launches on ``target`` at each batch: ``(plans by (case,
+    target), compile requests by key)``. The planner's residency compiles dominate; they are
+    cached per process, and the cases of one target share most of them."""
+    plans: dict[tuple[str, str], list[dict]] = {}
+    requests: dict[str, dict] = {}
+    for case in cases:
+        for batch in BATCHES:
+            plan = record_case(case, target, batch)
+            launches = plan.pop("launches")
+            keys = []
+            for launch in launches:
+                request = specialize(launch, target)
+                requests.setdefault(request["key"], request)
+                keys.append(request["key"])
+            # Stage 1 is what the decode module itself launches; the merge lives elsewhere.
+            stage1 = [i for i, x in enumerate(launches) if x.module == STAGE1_MODULE]
+            if len(stage1) != 1:
+                raise RuntimeError(
+                    f"kernel_static: {case.name} on {target.key} at B {batch} launched "
+                    f"{len(stage1)} kernels from {STAGE1_MODULE}, expected one: {launches}"
+                )
+            plan["grid"] = list(launches[stage1[0]].grid)
+            plan["stage1"] = keys[stage1[0]]
+            plan["keys"] = keys
+            plans.setdefault((case.name, target.key), []).append(plan)
+    return plans, requests
+
+
 def run(cases: tuple[Case, ...], targets: list[GpuTarget], workers: int = 2) -> dict:
     start = time.perf_counter()
     plans: dict[tuple[str, str], list[dict]] = {}
     requests: dict[str, dict] = {}
-    for target in targets:
-        for case in cases:
-            for batch in BATCHES:
-                plan = record_case(case, target, batch)
-                launches = plan.pop("launches")
-                keys = []
-                for launch in launches:
-                    request = specialize(launch, target)
-                    requests.setdefault(request["key"], request)
-                    keys.append(request["key"])
-                # Stage 1 is what the decode module itself launches; the merge lives elsewhere.
-                stage1 = [i for i, x in enumerate(launches) if x.module == STAGE1_MODULE]
-                if len(stage1) != 1:
-                    raise RuntimeError(
-                        f"kernel_static: {case.name} on {target.key} at B {batch} launched "
-                        f"{len(stage1)} kernels from {STAGE1_MODULE}, expected one: {launches}"
-                    )
-                plan["grid"] = list(launches[stage1[0]].grid)
-                plan["stage1"] = keys[stage1[0]]
-                plan["keys"] = keys
-                plans.setdefault((case.name, target.key), []).append(plan)
+    pool = None
+    if workers > 1:
+        # spawn, not fork: the parent holds torch and Triton state a fork would copy.
+        context = multiprocessing.get_context("spawn")
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+        # One target per worker: each plans its cases (with its own residency cache).
+        recorded = [f.result() for f in [pool.submit(record_target, cases, t) for t in targets]]
+    else:
+        recorded = [record_target(cases, target) for target in targets]
+    for target_plans, target_requests in recorded:
+        plans.update(target_plans)
+        for key, request in target_requests.items():
+            requests.setdefault(key, request)
     record_s = time.perf_counter() - start
     kernels: dict[str, dict] = {}
     # sm90 stage-1 builds take longest (ptxas): start them first so no worker idles at the end.
     ordered = sorted(requests.values(), key=lambda r: (r["target"] != "sm90", r["kernel"]))
-    if workers == 1:
+    if pool is None:
         done = (compile_and_read(request) for request in ordered)
     else:
-        # spawn, not fork: the parent holds torch and Triton state a fork would copy.
-        context = multiprocessing.get_context("spawn")
-        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
         futures = [pool.submit(compile_and_read, request) for request in ordered]
         done = (future.result() for future in concurrent.futures.as_completed(futures))
     for i, info in enumerate(done):
         kernels[info["key"]] = info
         common.progress(i, len(ordered), info["key"])
-    if workers > 1:
+    if pool is not None:
         pool.shutdown()
     compile_s = time.perf_counter() - start - record_s
     results = []
