@@ -213,8 +213,9 @@ def main(argv: list[str] | None = None) -> Path:
 
     from rocm_mla.kernels import mla_decode as kernel
     from rocm_mla.kernels import tuned_configs as tables
+    from rocm_mla.kernels.target import triton_target
 
-    target = kernel.triton_target()
+    target = triton_target()
     key = kernel.target_key(target)
     device = common.device_name()
     entries, report = [], []

@@ -219,8 +219,9 @@ def peak_compute(name: str) -> tuple[float, float] | None:
 def planned_triton(problem, lens_host: torch.Tensor):
     """Our Triton decode on its planned path: (call, plan description)."""
     from rocm_mla.kernels import mla_decode as kernel
+    from rocm_mla.kernels.target import triton_target
 
-    target = kernel.triton_target()
+    target = triton_target()
     q_len, heads = problem.q.shape[1], problem.q.shape[2]
     config, splits = kernel.plan_launch(
         batch=problem.q.shape[0],

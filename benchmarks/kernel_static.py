@@ -58,7 +58,7 @@ MIN_WAVE_FILL = 0.9
 MIN_GATED_BATCH = 8
 MAX_TILE_LOADS_H128 = 2
 #: The module whose launches are stage 1 (the split-KV decode); any other is a merge.
-STAGE1_MODULE = "rocm_mla.kernels.mla_decode"
+STAGE1_MODULE = "rocm_mla.kernels.mla_decode_kernel"
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ _LIMITS: dict[str, _NvidiaLimits | _AmdLimits] = {
     "gfx942": _cdna(64 << 10, 512),
     "gfx950": _cdna(160 << 10, 1280),
 }
-#: The target keys ``resident_programs`` knows (``mla_decode.target_key`` spells them so).
+#: The target keys ``resident_programs`` knows (``mla_decode_args.target_key`` spells them so).
 RESIDENCY_TARGETS = tuple(_LIMITS)
 
 #: gfx9 waves per SIMD by SGPR count: (most SGPRs, waves) from the fewest SGPRs up.

@@ -255,7 +255,7 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
             "tile prefetched)",
         ),
         # fp8 rows owned per wave fit since Q arrives quantized (quantize_q) and the softmax
-        # step shares the dots' block (mla_decode._attend_tile: each wave 16 rows of both
+        # step shares the dots' block (mla_decode_kernel._attend_tile: each wave 16 rows of both
         # dots): 32 keys (the fp8 MFMA's K for P.V), V in two halves, no spills at any case
         # of bench static. Two stages (the next tile in registers, one LDS slot): with
         # three, the 32-row groups of a causal verify window (H12 S_q 8, H24 S_q 4) spill

@@ -47,6 +47,32 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 # Upward imports that exist today, each to be removed by the code that owns it (none now).
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 
+# The Triton decode's modules inside the kernels floor, in import order: each imports only
+# from modules before it (docs/architecture.md, "Layers"). A module not on disk (schedule,
+# until it lands) is skipped.
+KERNEL_ORDER = [
+    "rocm_mla.kernels.mla_decode_kernel",
+    "rocm_mla.kernels.mla_decode_args",
+    "rocm_mla.kernels.occupancy",
+    "rocm_mla.kernels.plan",
+    "rocm_mla.kernels.schedule",
+    "rocm_mla.kernels.mla_decode",
+]
+# The kernels the Triton decode builds on: they import none of KERNEL_ORDER.
+KERNEL_BASE = [
+    "rocm_mla.kernels.merge_states",
+    "rocm_mla.kernels.quantize_q",
+    "rocm_mla.kernels.residency",
+    "rocm_mla.kernels.target",
+    "rocm_mla.kernels.tuned_configs",
+]
+# Triton's compiler internals: only OCCUPANCY compiles stage 1 by hand, so only it imports
+# them. The target probe asks the runtime's active driver what GPU there is: that one import
+# is allowed, nothing else.
+TRITON_INTERNALS = ("triton.compiler", "triton.backends", "triton.runtime")
+OCCUPANCY = "rocm_mla.kernels.occupancy"
+ALLOWED_TRITON_INTERNALS = {("rocm_mla.kernels.target", "triton.runtime.driver")}
+
 
 @dataclass(frozen=True)
 class Upward:
@@ -91,8 +117,10 @@ def package_modules() -> dict[str, tuple[Path, bool]]:
     return modules
 
 
-def imported_modules(module: str, source: str, is_package: bool) -> list[tuple[int, str]]:
-    """(line, module name) for every rocm_mla import in `source`, wherever it stands."""
+def imported_modules(
+    module: str, source: str, is_package: bool, root: str = "rocm_mla"
+) -> list[tuple[int, str]]:
+    """(line, module name) for every import of package `root` in `source`, wherever it stands."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -107,7 +135,7 @@ def imported_modules(module: str, source: str, is_package: bool) -> list[tuple[i
             # `from pkg import name` imports the submodule pkg.name when there is one; the
             # floor lookup by prefix makes either reading land on the right floor.
             found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
-    return [(line, name) for line, name in found if name.split(".")[0] == "rocm_mla"]
+    return [(line, name) for line, name in found if name.split(".")[0] == root]
 
 
 def imported_target(name: str, modules: Collection[str]) -> str:
@@ -131,6 +159,33 @@ def upward_imports(
         if floor_of(target) is None or floor_of(target) > own:
             upward.append(Upward(module, line, target))
     return upward
+
+
+def later_kernel_imports(
+    module: str, source: str, modules: Collection[str] | None = None
+) -> list[tuple[int, str]]:
+    """(line, module) for each import in `source` (of `module`) of `module` itself or of a
+    module later in KERNEL_ORDER; for a module outside KERNEL_ORDER, of any module in it."""
+    modules = set(package_modules() if modules is None else modules) | set(KERNEL_ORDER)
+    own = KERNEL_ORDER.index(module) if module in KERNEL_ORDER else 0
+    later = []
+    for line, name in imported_modules(module, source, False):
+        target = imported_target(name, modules)
+        if target in KERNEL_ORDER and KERNEL_ORDER.index(target) >= own:
+            later.append((line, target))
+    return later
+
+
+def triton_internal_imports(module: str, source: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, name) for each import of Triton's compiler internals in `source` that is not
+    allowed for `module`."""
+    return [
+        (line, name)
+        for line, name in imported_modules(module, source, is_package, root="triton")
+        if any(name == p or name.startswith(p + ".") for p in TRITON_INTERNALS)
+        and module != OCCUPANCY
+        and (module, name) not in ALLOWED_TRITON_INTERNALS
+    ]
 
 
 def test_every_module_sits_on_a_floor():
@@ -194,3 +249,129 @@ def test_the_check_allows_same_and_lower_floors():
 def test_a_module_on_no_floor_is_refused():
     with pytest.raises(AssertionError, match="on no floor"):
         upward_imports("elsewhere.module", "import os\n")
+
+
+def kernel_order_problems(modules: dict[str, tuple[Path, bool]]) -> tuple[int, list[str]]:
+    """(modules checked, problems) of KERNEL_ORDER and KERNEL_BASE among `modules` (those not
+    in it, not on disk yet, are skipped)."""
+    named = set(KERNEL_ORDER + KERNEL_BASE)
+    assert named <= set(modules) | {"rocm_mla.kernels.schedule"}, (
+        f"modules named here that are not on disk: {named - set(modules)}"
+    )
+    checked, problems = 0, []
+    for module in KERNEL_ORDER + KERNEL_BASE:
+        if module not in modules:
+            continue  # not written yet
+        checked += 1
+        path, _ = modules[module]
+        for line, later in later_kernel_imports(module, path.read_text(), modules):
+            problems.append(f"{module}:{line} imports {later}, against KERNEL_ORDER")
+    return checked, problems
+
+
+def test_kernel_modules_import_only_earlier_ones():
+    modules = package_modules()
+    checked, problems = kernel_order_problems(modules)
+    assert checked == len(KERNEL_BASE) + len([m for m in KERNEL_ORDER if m in modules])
+    assert not problems, "kernel modules importing out of order:\n" + "\n".join(problems)
+
+
+def test_a_kernel_module_missing_on_disk_is_skipped():
+    modules = dict(package_modules())
+    modules.pop("rocm_mla.kernels.schedule", None)
+    checked, problems = kernel_order_problems(modules)
+    assert checked == len(KERNEL_BASE) + len(KERNEL_ORDER) - 1 and not problems
+
+
+def test_only_occupancy_imports_tritons_compiler_internals():
+    modules = package_modules()
+    problems = [
+        f"{module}:{line} imports {name}"
+        for module, (path, is_package) in modules.items()
+        for line, name in triton_internal_imports(module, path.read_text(), is_package)
+    ]
+    assert not problems, f"Triton's compiler internals outside {OCCUPANCY}:\n" + "\n".join(problems)
+    # The allowance stays true: the import it names exists.
+    for module, name in ALLOWED_TRITON_INTERNALS:
+        path, is_package = modules[module]
+        found = imported_modules(module, path.read_text(), is_package, root="triton")
+        assert name in {n for _, n in found}, f"{module} no longer imports {name}: drop it"
+    path, _ = modules[OCCUPANCY]
+    found = imported_modules(OCCUPANCY, path.read_text(), False, root="triton")
+    assert any(n.startswith("triton.compiler.") for _, n in found)
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "imported"),
+    [
+        (
+            "rocm_mla.kernels.mla_decode_kernel",
+            "from rocm_mla.kernels.mla_decode_args import _dot_types\n",
+            "rocm_mla.kernels.mla_decode_args",
+        ),
+        (
+            "rocm_mla.kernels.mla_decode_args",
+            "def f():\n    from rocm_mla.kernels import occupancy\n",
+            "rocm_mla.kernels.occupancy",
+        ),
+        ("rocm_mla.kernels.occupancy", "from . import plan\n", "rocm_mla.kernels.plan"),
+        (
+            "rocm_mla.kernels.plan",
+            "import rocm_mla.kernels.schedule\n",
+            "rocm_mla.kernels.schedule",
+        ),
+        (
+            "rocm_mla.kernels.plan",
+            "from rocm_mla.kernels.mla_decode import mla_decode\n",
+            "rocm_mla.kernels.mla_decode",
+        ),
+        (
+            "rocm_mla.kernels.mla_decode",
+            "from rocm_mla.kernels import mla_decode as md\n",
+            "rocm_mla.kernels.mla_decode",
+        ),
+    ],
+)
+def test_the_order_check_finds_a_synthetic_later_import(module, source, imported):
+    assert later_kernel_imports(module, source) == [(source.count("\n"), imported)]
+
+
+def test_the_order_check_finds_a_base_module_importing_the_decode():
+    source = "from rocm_mla.kernels.mla_decode_kernel import _mla_decode_stage1\n"
+    assert later_kernel_imports("rocm_mla.kernels.merge_states", source) == [
+        (1, "rocm_mla.kernels.mla_decode_kernel")
+    ]
+
+
+def test_the_order_check_allows_earlier_and_outside_modules():
+    source = (
+        "from rocm_mla.kernels.mla_decode_kernel import _mla_decode_stage1\n"
+        "from rocm_mla.kernels.mla_decode_args import _dot_types\n"
+        "from . import merge_states, residency\n"
+        "from rocm_mla.inputs import FAULT_BLOCK_ID\n"
+        "import triton\n"
+    )
+    assert later_kernel_imports("rocm_mla.kernels.occupancy", source) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from triton.compiler import ASTSource\n",
+        "def f():\n    from triton.backends.compiler import GPUTarget\n",
+        "import triton.runtime.jit\n",
+        "from triton import runtime\n",
+    ],
+)
+def test_the_internals_check_finds_a_synthetic_import(source):
+    (found,) = triton_internal_imports("rocm_mla.kernels.plan", source, False)
+    assert found[1].startswith(TRITON_INTERNALS)
+    assert triton_internal_imports(OCCUPANCY, source, False) == []
+
+
+def test_the_internals_check_allows_the_language_and_the_target_probe():
+    source = "import triton\nimport triton.language as tl\nfrom triton import cdiv\n"
+    assert triton_internal_imports("rocm_mla.kernels.plan", source, False) == []
+    probe = "def f():\n    from triton.runtime import driver\n"
+    assert triton_internal_imports("rocm_mla.kernels.target", probe, False) == []
+    assert len(triton_internal_imports("rocm_mla.kernels.plan", probe, False)) == 1

@@ -19,6 +19,8 @@ import rocm_mla
 from rocm_mla.backends.triton import TritonMLAImpl
 from rocm_mla.inputs import prepare_decode
 from rocm_mla.kernels import mla_decode as kernel
+from rocm_mla.kernels import mla_decode_args
+from rocm_mla.kernels.plan import MAX_SPLITS, MIN_TOKENS_PER_SPLIT
 from rocm_mla.kernels.target import TritonTarget, triton_target
 from tests.reference import assert_same_attention, dense_mla_decode, make_paged_problem
 
@@ -189,10 +191,10 @@ def test_split_heuristic_bounds():
     assert kernel.choose_num_kv_splits(8, 1, 100.0, 200, cus) == 1  # < 2 x 128 keys
     for batch, groups, length in [(1, 1, 32768), (1, 8, 4096), (32, 1, 16384), (128, 8, 1024)]:
         splits = kernel.choose_num_kv_splits(batch, groups, float(length), length, cus)
-        assert 1 <= splits <= kernel.MAX_SPLITS
-        assert splits == 1 or -(-length // splits) >= kernel.MIN_TOKENS_PER_SPLIT
+        assert 1 <= splits <= MAX_SPLITS
+        assert splits == 1 or -(-length // splits) >= MIN_TOKENS_PER_SPLIT
     # One long request on a big GPU: split as far as the bounds allow.
-    assert kernel.choose_num_kv_splits(1, 1, 32768.0, 32768, cus) == kernel.MAX_SPLITS
+    assert kernel.choose_num_kv_splits(1, 1, 32768.0, 32768, cus) == MAX_SPLITS
     # Programs already fill every compute unit exactly once: splitting only adds overhead.
     assert kernel.choose_num_kv_splits(38, 8, 4096.0, 4096, cus) == 1
     # A serial "machine" (the interpreter) never gains from splitting.
@@ -205,7 +207,7 @@ def test_planned_splits_follow_the_target():
     target = triton_target()
     config = kernel.default_config(target, num_heads=16)
     slots = target.num_cus * kernel.programs_per_cu(
-        kernel._group_config(config, 16), target, kv_dtype=torch.bfloat16
+        mla_decode_args._group_config(config, 16), target, kv_dtype=torch.bfloat16
     )
     assert splits == kernel.choose_num_kv_splits(1, 1, 32768.0, 32768, slots)
     if target.backend == "interpreter":
@@ -271,7 +273,9 @@ import torch
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rocm_mla.kernels import mla_decode as md, merge_states as ms, quantize_q as qq
+from rocm_mla.kernels import merge_states as ms, quantize_q as qq
+from rocm_mla.kernels import mla_decode_args as mda, mla_decode_kernel as mdk
+from rocm_mla.kernels.target import TritonTarget
 from rocm_mla.kernels import tuned_configs as tc
 
 # aligned: the int arguments the runtime specializes as multiples of 16 for every production
@@ -299,22 +303,22 @@ if backend == "hip":
 else:
     target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)
     fp8 = torch.float8_e4m3fn
-here = md.TritonTarget(backend, arch, 1)
+here = TritonTarget(backend, arch, 1)
 kv_dtypes = {"16bit": torch.bfloat16, "fp8": fp8, "fp32": torch.float32}
 kernels, used = {}, []
 for heads in tc.HEAD_BUCKETS:
     for q_len in tc.Q_LEN_BUCKETS:
         for kind, kv_dtype in kv_dtypes.items():
-            entry = md.table_entry(here, num_heads=heads, q_len=q_len, kv_dtype=kv_dtype)
+            entry = mda.table_entry(here, num_heads=heads, q_len=q_len, kv_dtype=kv_dtype)
             used.append(entry)
-            config = md._group_config(entry.config, heads * q_len)
+            config = mda._group_config(entry.config, heads * q_len)
             q_dtype = torch.float32 if kv_dtype == torch.float32 else torch.bfloat16
             kernels.setdefault((config, kv_dtype, q_dtype), []).append((heads, q_len, kind))
 tl_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
            torch.float8_e4m3fnuz: "fp8e4b8"}
 tl_type = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
 for (config, kv_dtype, q_dtype), shapes in kernels.items():
-    dot_types = md._dot_types(q_dtype, kv_dtype, here, config)
+    dot_types = mda._dot_types(q_dtype, kv_dtype, here, config)
     consts = dict(Q_LEN=1, NUM_HEADS=128, HEAD_DIM_V=512, ROPE_DIM=64, PAGE_SIZE=64,
                   CAUSAL=True, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
                   BLOCK_W=min(config.block_n, 32 if kv_dtype == fp8 else 16),
@@ -331,11 +335,11 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
     # A cache row is 576 elements (a page of them per block): the runtime specializes both
     # KV strides as multiples of 16, which keeps the tile loads vectorized. Lengths, block
     # counts and the q / out strides are left unknown.
-    stage1 = build(md._mla_decode_stage1, pointers, consts, target, config.launch_options(here),
+    stage1 = build(mdk._mla_decode_stage1, pointers, consts, target, config.launch_options(here),
                    aligned=("stride_kv_block", "stride_kv_token"))
     print(json.dumps({"kernel": "stage1", "config": config.to_dict(), "kv": str(kv_dtype),
                       "shapes": shapes, **stage1}))
-table = tc.TABLES[md.target_key(here)]
+table = tc.TABLES[mda.target_key(here)]
 unused = [str(k) for k, e in table.items() if not any(e is u for u in used)]
 print(json.dumps({"kernel": "coverage", "unused_entries": unused}))
 consts = dict(HEAD_DIM_V=512, BLOCK_P=4, BLOCK_R=1, BLOCK_D=256)
@@ -343,7 +347,7 @@ pointers = {"outs_ptr": "*fp32", "lses_ptr": "*fp32", "out_ptr": "*bf16", "out_l
 merge = build(ms._merge_states_kernel, pointers, consts, target, ms.merge_launch_options(here))
 print(json.dumps({"kernel": "merge", **merge}))
 consts = dict(HEAD_DIM=576, BLOCK_R=qq._BLOCK_R, BLOCK_D=1024, FP8_DTYPE=tl_type[fp8],
-              OUT_DTYPE=tl_type[fp8], FP8_EMULATE_MIN_EXP=None, FP8_MAX=md._FP8_MAX[fp8])
+              OUT_DTYPE=tl_type[fp8], FP8_EMULATE_MIN_EXP=None, FP8_MAX=mda._FP8_MAX[fp8])
 pointers = {"q_ptr": "*bf16", "out_ptr": "*" + tl_name[fp8], "scale_ptr": "*fp32"}
 quant = build(qq._quantize_q_kernel, pointers, consts, target, {"num_warps": 4})
 print(json.dumps({"kernel": "quantize_q", **quant}))

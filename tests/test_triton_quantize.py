@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from rocm_mla.backends.triton import TritonMLAImpl
-from rocm_mla.kernels import mla_decode as md
+from rocm_mla.kernels import mla_decode_args
 from rocm_mla.kernels.target import triton_target
 from rocm_mla.kernels.tuned_configs import LaunchConfig
 
@@ -23,9 +23,9 @@ CONFIG = LaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, fp8_qk=
 
 def stage1_q(q: torch.Tensor, fp8: torch.dtype):
     target = triton_target()
-    dot_types = md._dot_types(q.dtype, fp8, target, CONFIG)
+    dot_types = mla_decode_args._dot_types(q.dtype, fp8, target, CONFIG)
     assert dot_types["QK_FP8"]
-    return md._stage1_q(q, fp8, dot_types, target)
+    return mla_decode_args._stage1_q(q, fp8, dot_types, target)
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from rocm_mla.kernels import mla_decode as kernel
+from rocm_mla.kernels import mla_decode_args, occupancy
 from rocm_mla.kernels.residency import resident_programs
 from rocm_mla.kernels.target import TritonTarget
 from rocm_mla.kernels.tuned_configs import LaunchConfig
@@ -34,9 +35,9 @@ def test_programs_per_cu_is_what_the_compiled_resources_allow(monkeypatch):
         asked.append((config, backend, arch, shape))
         return {"regs_per_thread": regs, "smem_bytes": smem}
 
-    monkeypatch.setattr(kernel, "_compiled_stage1_resources", fake)
+    monkeypatch.setattr(occupancy, "_compiled_stage1_resources", fake)
     for regs, smem in [(64, 20 << 10), (128, 40 << 10), (255, 100 << 10)]:
-        got = kernel.programs_per_cu(
+        got = occupancy.programs_per_cu(
             CONFIG, SM90, kv_dtype=torch.bfloat16, num_heads=12, q_len=2, cache_bytes=1 << 32
         )
         want = resident_programs("sm90", num_warps=4, regs_per_thread=regs, smem_bytes=smem)
@@ -51,9 +52,9 @@ def test_the_interpreter_holds_one_program_and_compiles_nothing(monkeypatch):
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled for the interpreter")
 
-    monkeypatch.setattr(kernel, "_compiled_stage1_resources", no_compile)
+    monkeypatch.setattr(occupancy, "_compiled_stage1_resources", no_compile)
     interpreter = TritonTarget("interpreter", None, 1)
-    assert kernel.programs_per_cu(CONFIG, interpreter, kv_dtype=torch.float32) == 1
+    assert occupancy.programs_per_cu(CONFIG, interpreter, kv_dtype=torch.float32) == 1
 
 
 @pytest.mark.slow
@@ -97,11 +98,11 @@ def test_compiled_residency_of_the_tuned_configs():
     shared memory (one per SM); the gfx942 16-row config, with the next tile prefetched into
     registers, takes 199 VGPRs and no AGPRs of a lane's 512 (two per CU, as without the
     prefetch); its 64-row config for H128 takes 256 VGPRs + 34 AGPRs (one per CU)."""
-    big = kernel._group_config(kernel.default_config(SM90, num_heads=128), 128)
+    big = mla_decode_args._group_config(kernel.default_config(SM90, num_heads=128), 128)
     assert kernel.programs_per_cu(big, SM90, kv_dtype=torch.bfloat16, num_heads=128) == 1
-    small = kernel._group_config(kernel.default_config(GFX942, num_heads=16), 16)
+    small = mla_decode_args._group_config(kernel.default_config(GFX942, num_heads=16), 16)
     assert kernel.programs_per_cu(small, GFX942, kv_dtype=torch.bfloat16, num_heads=16) == 2
-    rows = kernel._group_config(kernel.default_config(GFX942, num_heads=128), 128)
+    rows = mla_decode_args._group_config(kernel.default_config(GFX942, num_heads=128), 128)
     assert rows.block_h == 64
     assert kernel.programs_per_cu(rows, GFX942, kv_dtype=torch.bfloat16, num_heads=128) == 1
     unpipelined = replace(small, num_stages=1, prefetch_ids=False)

@@ -22,6 +22,7 @@ from rocm_mla.backends.torch_ref import torch_mla_decode
 from rocm_mla.backends.triton import TritonMLAImpl
 from rocm_mla.inputs import prepare_decode
 from rocm_mla.kernels import mla_decode as kernel
+from rocm_mla.kernels import mla_decode_args
 from rocm_mla.kernels.tuned_configs import LaunchConfig
 from tests.reference import assert_same_attention, make_paged_problem
 
@@ -219,9 +220,9 @@ def test_a_non_finite_v_element_reaches_only_the_window_queries_that_see_its_key
     poisons exactly the queries that see its key, whichever loop reads it, with the
     softmax step in a branch (CUDA) or with the dots (AMD), and with keys as the dots' M
     (the tail tiles then have BLOCK_N keys: 16 here, so the same tiles)."""
-    dot_types = kernel._dot_types
+    dot_types = mla_decode_args._dot_types
     monkeypatch.setattr(
-        kernel,
+        kernel,  # where mla_decode looks it up
         "_dot_types",
         lambda *args, **kwargs: {**dot_types(*args, **kwargs), "FOLD_IN_BRANCH": fold_in_branch},
     )

@@ -21,7 +21,9 @@ import rocm_mla
 from rocm_mla.backends.triton import TritonMLAImpl
 from rocm_mla.inputs import prepare_decode
 from rocm_mla.kernels import mla_decode as kernel
+from rocm_mla.kernels import mla_decode_args
 from rocm_mla.kernels import tuned_configs as tables
+from rocm_mla.kernels.plan import MAX_SPLITS
 from rocm_mla.kernels.target import TritonTarget, triton_target
 from tests.reference import assert_same_attention, dense_mla_decode, make_paged_problem
 
@@ -114,7 +116,7 @@ def test_sm90_configs_per_group_size_and_amd_is_marked_unmeasured():
         entry = kernel.table_entry(SM90, num_heads=heads, q_len=q_len, kv_dtype=torch.bfloat16)
         assert (entry.config.block_h, entry.config.block_n, entry.config.num_warps) == (64, 64, 8)
         assert entry.source.startswith("unmeasured")
-        group = kernel._group_config(entry.config, heads * q_len)
+        group = mla_decode_args._group_config(entry.config, heads * q_len)
         assert (group.block_h, group.num_stages, group.prefetch_ids) == (rows, stages, prefetch)
         assert group.num_warps == 8 and group.block_n == 64
     # fp8: 64-row groups on wgmma (rows as M); a group shrunk under 64 rows has keys as M
@@ -132,7 +134,7 @@ def test_sm90_configs_per_group_size_and_amd_is_marked_unmeasured():
         fp8 = torch.float8_e4m3fn
         entry = kernel.table_entry(SM90, num_heads=heads, q_len=q_len, kv_dtype=fp8)
         assert entry.source.startswith("unmeasured") and entry.config.fp8_qk
-        group = kernel._group_config(entry.config, heads * q_len)
+        group = mla_decode_args._group_config(entry.config, heads * q_len)
         assert (group.block_h, group.keys_as_m, group.num_stages) == (rows, keys_as_m, stages)
         assert group.block_n == 64 and group.num_warps == 8
         assert group.prefetch_ids == keys_as_m
@@ -215,7 +217,7 @@ def test_occupancy_shapes_the_split_choice():
         target=SM90,
         config=small,
     )
-    assert splits_big == kernel.MAX_SPLITS and splits_small >= splits_big
+    assert splits_big == MAX_SPLITS and splits_small >= splits_big
     # B128 H128 at 32K: 128 x 2 groups already fill 132 SMs about twice over.
     config, splits = kernel.plan_launch(
         batch=128,
@@ -305,7 +307,7 @@ def _table_shape_classes():
             c = entry.config
             groups = [c]
             if c.block_h > 16:
-                groups.append(kernel._group_config(c, c.block_h // 2))
+                groups.append(mla_decode_args._group_config(c, c.block_h // 2))
             for g in groups:
                 shape = (
                     g.block_h, g.block_n, g.dv_chunks, g.fp8_qk, g.fp8_pv, g.prefetch_ids,
@@ -359,12 +361,12 @@ def assert_config_matches_torch(q, kv, bt, lens, *, config, splits):
 def fold_scores_in_branch(monkeypatch, fold: bool) -> None:
     """Stage 1 with its softmax step in a branch (CUDA's structure) or with the dots (AMD's),
     whatever the target; the two are the same arithmetic, laid out differently by Triton."""
-    dot_types = kernel._dot_types
+    dot_types = mla_decode_args._dot_types
 
     def forced(*args, **kwargs):
         return {**dot_types(*args, **kwargs), "FOLD_IN_BRANCH": fold}
 
-    monkeypatch.setattr(kernel, "_dot_types", forced)
+    monkeypatch.setattr(kernel, "_dot_types", forced)  # where mla_decode looks it up
 
 
 @pytest.mark.parametrize("fold_in_branch", [True, False])
@@ -531,26 +533,26 @@ def test_dot_types_per_target():
     )
     import triton.language as tl
 
-    sm90 = kernel._dot_types(torch.bfloat16, torch.float8_e4m3fn, SM90, cfg)
+    sm90 = mla_decode_args._dot_types(torch.bfloat16, torch.float8_e4m3fn, SM90, cfg)
     assert sm90["K_DTYPE"] == tl.float8e4nv and sm90["QK_FP8"] and sm90["PV_FP8"]
     assert sm90["FP8_EMULATE_MIN_EXP"] is None and sm90["P_SCALE"] == 256.0
-    gfx942 = kernel._dot_types(torch.bfloat16, torch.float8_e4m3fnuz, GFX942, cfg)
+    gfx942 = mla_decode_args._dot_types(torch.bfloat16, torch.float8_e4m3fnuz, GFX942, cfg)
     assert gfx942["V_DTYPE"] == tl.float8e4b8 and gfx942["FP8_MAX"] == 240.0
-    sm100 = kernel._dot_types(
+    sm100 = mla_decode_args._dot_types(
         torch.bfloat16, torch.float8_e4m3fn, TritonTarget("cuda", "sm100", 148), cfg
     )
     assert sm100["QK_FP8"]
     # sm80 has no fp8 dot: the tiles are upcast to q's type.
-    sm80 = kernel._dot_types(
+    sm80 = mla_decode_args._dot_types(
         torch.bfloat16, torch.float8_e4m3fn, TritonTarget("cuda", "sm80", 1), cfg
     )
     assert sm80["K_DTYPE"] == tl.bfloat16 and not sm80["QK_FP8"] and sm80["P_SCALE"] == 1.0
     here = triton_target()
     if here.backend == "interpreter":
-        emu = kernel._dot_types(torch.float32, torch.float8_e4m3fn, here, cfg)
+        emu = mla_decode_args._dot_types(torch.float32, torch.float8_e4m3fn, here, cfg)
         assert emu["K_DTYPE"] == tl.float32 and emu["FP8_EMULATE_MIN_EXP"] == -6.0
     assert math.isclose(
-        kernel._dot_types(torch.bfloat16, torch.bfloat16, SM90, cfg)["P_SCALE"], 1.0
+        mla_decode_args._dot_types(torch.bfloat16, torch.bfloat16, SM90, cfg)["P_SCALE"], 1.0
     )
 
 
@@ -564,7 +566,7 @@ def test_row_owned_groups_pad_the_fewest_rows():
     fitted = {
         rows: (c.block_h, c.num_warps)
         for rows in (16, 24, 48, 64, 96, 128, 192)
-        for c in [kernel._group_config(config, rows)]
+        for c in [mla_decode_args._group_config(config, rows)]
     }
     assert fitted == {
         16: (32, 2),
@@ -583,10 +585,12 @@ def test_fewest_padded_rows_from_64_rows_and_the_floor():
     """Without rows_per_warp: under 64 rows the next power of two; from 64 on the BLOCK_H
     (down to a quarter) that pads the fewest rows; never under min_block_h."""
     config = tables.LaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
-    fitted = {rows: kernel._group_config(config, rows).block_h for rows in (12, 48, 64, 80, 96)}
+    fitted = {
+        rows: mla_decode_args._group_config(config, rows).block_h for rows in (12, 48, 64, 80, 96)
+    }
     assert fitted == {12: 16, 48: 64, 64: 64, 80: 16, 96: 32}
     floor = replace(config, min_block_h=64)
-    assert {kernel._group_config(floor, rows).block_h for rows in (12, 48, 96)} == {64}
+    assert {mla_decode_args._group_config(floor, rows).block_h for rows in (12, 48, 96)} == {64}
     with pytest.raises(
         ValueError, match="min_block_h must be a power of two in \\[16, block_h\\], got 128"
     ):
@@ -609,7 +613,7 @@ def test_amd_compute_bound_configs_on_the_interpreter(target, heads, q_len, kind
     fp8 = torch.float8_e4m3fnuz if target.arch == "gfx942" else torch.float8_e4m3fn
     kv_dtype = fp8 if kind == "fp8" else torch.bfloat16
     config = kernel.default_config(target, num_heads=heads, q_len=q_len, kv_dtype=kv_dtype)
-    config = kernel._group_config(config, heads * q_len)
+    config = mla_decode_args._group_config(config, heads * q_len)
     # fp8 keeps the replicated 16-row entry (the row-owned ones spill, tuned_configs).
     if heads * q_len >= 64 and kind != "fp8":
         assert config.rows_per_warp == 16 and config.block_h == 16 * config.num_warps
@@ -632,17 +636,17 @@ def test_padded_rows_need_a_slot_for_every_row():
     slots are refused before the launch."""
     q, kv, bt, lens = prepared([20, 3], heads=20, q_len=3)
     config = tables.LaunchConfig(block_h=64, block_n=16, num_warps=4, num_stages=1)
-    target = kernel.triton_target()
-    dot_types = kernel._dot_types(q.dtype, kv.dtype, target, config)
+    target = triton_target()
+    dot_types = mla_decode_args._dot_types(q.dtype, kv.dtype, target, config)
 
     def arguments(out, lse):
-        return kernel._stage1_arguments(
+        return mla_decode_args._stage1_arguments(
             q, None, kv, bt, lens, out, lse, None, head_dim_v=512, softmax_scale=0.1,
             causal=True, kv_scale=None, num_groups=1, num_kv_splits=2, config=config,
             target=target, dot_types=dot_types, rows_padded=True,
         )  # fmt: skip
 
-    out, lse, rows_padded = kernel._partials(2, 2, 3, 20, 512, 64, DEVICE)
+    out, lse, rows_padded = mla_decode_args._partials(2, 2, 3, 20, 512, 64, DEVICE)
     assert rows_padded and out.stride(1) == 64 * 512 and lse.stride(1) == 64
     arguments(out, lse)
     plain = torch.empty(2, 2, 3, 20, 512, device=DEVICE), torch.empty(2, 2, 3, 20, device=DEVICE)
@@ -650,7 +654,7 @@ def test_padded_rows_need_a_slot_for_every_row():
         arguments(*plain)
     # One request: its slot must lie inside the storage, whatever stride B = 1 shows.
     q, kv, bt, lens = prepared([20], heads=20, q_len=3)
-    arguments(*kernel._partials(2, 1, 3, 20, 512, 64, DEVICE)[:2])
+    arguments(*mla_decode_args._partials(2, 1, 3, 20, 512, 64, DEVICE)[:2])
     short = torch.empty(2, 1, 3, 20, 512, device=DEVICE), torch.empty(2, 1, 3, 20, device=DEVICE)
     with pytest.raises(RuntimeError, match=r"part_out must hold .* storage of 245760 bytes"):
         arguments(*short)

@@ -1,9 +1,9 @@
 """Triton MLA decode backend: HIP (MI300X first), CUDA, and the CPU interpreter.
 
-One kernel source (``rocm_mla.kernels.mla_decode``) serves every target. On a machine with
-no GPU it runs under ``TRITON_INTERPRET=1``: correct but slow, so it is for tests only and
-``auto`` never picks it. Nothing here imports triton or queries a GPU driver until a
-backend question is actually asked.
+One kernel source (``rocm_mla.kernels.mla_decode_kernel``, launched by
+``rocm_mla.kernels.mla_decode``) serves every target. On a machine with no GPU it runs under
+``TRITON_INTERPRET=1``: correct but slow, so it is for tests only and ``auto`` never picks it.
+Nothing here imports triton or queries a GPU driver until a backend question is actually asked.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class TritonMLAImpl(MLADecodeImpl):
     Args (beyond ``MLADecodeImpl``'s):
         num_kv_splits: force the number of KV splits per request (>= 1); None chooses it
             per call from the lengths and the compute-unit count
-            (``rocm_mla.kernels.mla_decode.choose_num_kv_splits``).
+            (``rocm_mla.kernels.plan.choose_num_kv_splits``).
     """
 
     name = "triton"
@@ -114,10 +114,10 @@ class TritonMLAImpl(MLADecodeImpl):
     def plan_launch(
         cls, spec: DecodeSpec, *, batch: int, max_seqlen: int, total_seqlen: int
     ) -> object:
-        """Stage-1 block shapes and split count (``kernels.mla_decode.plan_launch``)."""
-        from rocm_mla.kernels import mla_decode
+        """Stage-1 block shapes and split count (``kernels.plan.plan_launch``)."""
+        from rocm_mla.kernels.plan import plan_launch
 
-        return mla_decode.plan_launch(
+        return plan_launch(
             batch=batch,
             q_len=spec.q_len,
             num_heads=spec.num_heads,

@@ -1,0 +1,335 @@
+"""What stage 1 is called with: the tuned config for a shape, its row grouping, the dtype
+constexprs of the dots, q as stage 1 reads it, the split partials, and the launch's grid,
+arguments and constexprs (``_stage1_arguments``, shared by ``mla_decode`` and the occupancy
+compile). Host code only; the kernel is in ``mla_decode_kernel``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+
+from rocm_mla.kernels.quantize_q import quantize_q
+from rocm_mla.kernels.target import TritonTarget
+from rocm_mla.kernels.tuned_configs import LaunchConfig, TableEntry, lookup
+
+
+def target_key(target: TritonTarget | None) -> str:
+    """The ``tuned_configs.TABLES`` key of a target: sm90, gfx942, gfx950, fallback, interpreter."""
+    if target is None or target.backend == "interpreter":
+        return "interpreter"
+    if target.backend == "cuda" and (target.arch or "").startswith("sm90"):
+        return "sm90"
+    if target.backend == "hip":
+        # Other AMD archs take the MI300X shapes (see default_config); MI355X has its own.
+        return "gfx950" if target.arch == "gfx950" else "gfx942"
+    return "fallback"
+
+
+def table_entry(
+    target: TritonTarget | None,
+    *,
+    num_heads: int = 16,
+    q_len: int = 1,
+    kv_dtype: torch.dtype = torch.bfloat16,
+) -> TableEntry:
+    """The tuned-table entry (config and where it comes from) for a shape on ``target``."""
+    entry = lookup(target_key(target), num_heads, q_len, kv_dtype)
+    if target is not None and target.backend == "hip" and target.arch not in ("gfx942", "gfx950"):
+        # No XCD remap or kpack outside the two archs they were written for.
+        config = replace(entry.config, num_xcds=1, kpack=None)
+        entry = TableEntry(config, f"{entry.source} (gfx942 entry, adapted for {target.arch})")
+    return entry
+
+
+def default_config(
+    target: TritonTarget | None,
+    *,
+    num_heads: int = 16,
+    q_len: int = 1,
+    kv_dtype: torch.dtype = torch.bfloat16,
+) -> LaunchConfig:
+    """The tuned stage-1 config for a shape on ``target`` (``kernels/tuned_configs.py``)."""
+    return table_entry(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype).config
+
+
+def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
+    """``config`` with BLOCK_H fitted to a problem of ``rows`` (S_q x H) query rows.
+
+    Fewer rows than BLOCK_H: BLOCK_H shrinks to the next power of two (at least 16, the
+    smallest M a GPU dot takes; padded rows are masked). From 64 rows on (compute-bound)
+    BLOCK_H may shrink to a half or a quarter where that pads fewer rows; never below
+    ``min_block_h``. With
+    ``rows_per_warp`` BLOCK_H and num_warps shrink together to the BLOCK_H that pads the
+    fewest rows (ties: the larger), e.g. 96 rows run as three 32-row groups of 2 waves
+    rather than two 64-row groups; at least two waves. A shrunk group takes the config's
+    ``shrunk_*`` options where set.
+    """
+    shrunk = {
+        "num_stages": config.num_stages
+        if config.shrunk_num_stages is None
+        else config.shrunk_num_stages,
+        "prefetch_ids": config.prefetch_ids
+        if config.shrunk_prefetch_ids is None
+        else config.shrunk_prefetch_ids,
+        "keys_as_m": config.keys_as_m
+        if config.shrunk_keys_as_m is None
+        else config.shrunk_keys_as_m,
+    }
+    if config.rows_per_warp is None:
+        block_h = max(config.min_block_h, min(config.block_h, triton.next_power_of_2(rows)))
+        # A compute-bound request (>= 64 rows) pads the fewest rows (ties: the larger
+        # BLOCK_H), e.g. 96 rows as three 32-row groups: padded rows cost issue slots there,
+        # one more read of each KV tile (from L2, by the programs next to it) does not.
+        if rows >= 64:
+            for smaller in (block_h // 2, block_h // 4):
+                if smaller >= config.min_block_h and triton.cdiv(rows, smaller) * smaller < (
+                    triton.cdiv(rows, block_h) * block_h
+                ):
+                    block_h = smaller
+        if block_h < config.block_h:
+            return replace(config, block_h=block_h, **shrunk)
+        return config
+    best = config.block_h
+    block_h = config.block_h
+    # Never a single wave: a one-wave group (16 rows) of a causal verify window spills VGPRs
+    # on gfx942/gfx950 in Triton 3.9 (H12 S_q 4, H24 S_q 2), and under 64 rows padding costs
+    # no compute-bound issue slots.
+    while block_h >= 2 * config.rows_per_warp:
+        if triton.cdiv(rows, block_h) * block_h < triton.cdiv(rows, best) * best:
+            best = block_h
+        block_h //= 2
+    if best < config.block_h:
+        return replace(config, block_h=best, num_warps=best // config.rows_per_warp, **shrunk)
+    return config
+
+
+_TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float8_e4m3fn: tl.float8e4nv,
+    torch.float8_e4m3fnuz: tl.float8e4b8,
+}
+#: Largest finite value of each fp8 flavour, and the power of two the softmax weights (<= 1)
+#: are multiplied by before fp8 rounding, so that small weights stay above the subnormals.
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
+_P_SCALE = {torch.float8_e4m3fn: 256.0, torch.float8_e4m3fnuz: 128.0}
+
+
+def _has_fp8_dot(target: TritonTarget) -> bool:
+    if target.backend == "hip":
+        return target.arch in ("gfx942", "gfx950")
+    digits = "".join(ch for ch in (target.arch or "")[2:] if ch.isdigit())
+    return target.backend == "cuda" and int(digits or 0) >= 89  # sm89 (Ada) and later
+
+
+def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) -> dict:
+    """The kernel's dtype constexprs: what each dot is fed, and whether Q / P go through fp8.
+
+    The interpreter always computes in fp32 (it multiplies bf16 bit patterns in ``tl.dot``,
+    Triton issue 11584, and has no fp8 dot) but still rounds Q and P to fp8 values when the
+    config asks (``_to_fp8``), so the CPU tests check the GPU's numerics and scale
+    bookkeeping.
+    """
+    fp8 = kv_dtype in _FP8_MAX
+    interpreting = target.backend == "interpreter"
+    qk_fp8 = fp8 and config.fp8_qk and (interpreting or _has_fp8_dot(target))
+    pv_fp8 = fp8 and config.fp8_pv and (interpreting or _has_fp8_dot(target))
+    upcast = torch.float32 if interpreting or q_dtype == torch.float32 else q_dtype
+    fp8_dtype = kv_dtype if fp8 else torch.float8_e4m3fn
+    return {
+        "K_DTYPE": _TL_DTYPES[kv_dtype if qk_fp8 and not interpreting else upcast],
+        "V_DTYPE": _TL_DTYPES[kv_dtype if pv_fp8 and not interpreting else upcast],
+        "QK_FP8": qk_fp8,
+        "PV_FP8": pv_fp8,
+        # NVIDIA: fp8 P.V takes V transposed (K-major), through registers.
+        "V_VIA_REGISTERS": pv_fp8 and target.backend == "cuda",
+        # See _attend_tile: the softmax step apart from the dots (CUDA) or with them (AMD).
+        "FOLD_IN_BRANCH": target.backend != "hip",
+        "KEYS_AS_M": config.keys_as_m,
+        # NVIDIA: stage 1 recomputes its output rows after the walk (an opaque mov).
+        "REMAT_ROWS": target.backend == "cuda",
+        "FP8_DTYPE": _TL_DTYPES[fp8_dtype],
+        # Smallest normal exponents: e4m3fn 2^-6, e4m3fnuz 2^-7.
+        "FP8_EMULATE_MIN_EXP": (-6.0 if fp8_dtype == torch.float8_e4m3fn else -7.0)
+        if interpreting
+        else None,
+        "FP8_MAX": _FP8_MAX[fp8_dtype],
+        "P_SCALE": _P_SCALE[fp8_dtype] if pv_fp8 else 1.0,
+    }
+
+
+def _stage1_q(
+    q: torch.Tensor, kv_dtype: torch.dtype, dot_types: dict, target: TritonTarget
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(the q stage 1 reads, its per-row scales or None)``: with fp8 ``Q K^T`` q quantized
+    per row by ``quantize_q`` (fp8 values in fp32 under the interpreter), else q itself."""
+    if not dot_types["QK_FP8"]:
+        return q, None
+    interpreting = target.backend == "interpreter"
+    return quantize_q(
+        q,
+        out_dtype=torch.float32 if interpreting else kv_dtype,
+        out_tl_dtype=dot_types["K_DTYPE"],
+        fp8_dtype=dot_types["FP8_DTYPE"],
+        emulate_min_exp=dot_types["FP8_EMULATE_MIN_EXP"],
+        fp8_max=dot_types["FP8_MAX"],
+    )
+
+
+def _partials(
+    splits: int,
+    batch: int,
+    q_len: int,
+    num_heads: int,
+    head_dim_v: int,
+    group_rows: int,
+    device,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Stage 1's fp32 partials ``(out [splits, B, S_q, H, Dv], lse [splits, B, S_q, H],
+    rows_padded)``: views of buffers that hold ``group_rows`` (num_groups x BLOCK_H) rows
+    per request, so that the rows padding the last group have slots of their own and stage
+    1 stores every row unmasked (``ROWS_PADDED``); plain buffers where no row pads."""
+    out = torch.empty(splits, batch, group_rows, head_dim_v, dtype=torch.float32, device=device)
+    lse = torch.empty(splits, batch, group_rows, dtype=torch.float32, device=device)
+    # as_strided, not view: a view may give a size-1 dim (B = 1) any stride, and the
+    # stride check in _stage1_arguments reads the strides of the real buffer.
+    shape = (splits, batch, q_len, num_heads)
+    lse_strides = (batch * group_rows, group_rows, num_heads, 1)
+    return (
+        out.as_strided((*shape, head_dim_v), (*(s * head_dim_v for s in lse_strides), 1)),
+        lse.as_strided(shape, lse_strides),
+        group_rows != q_len * num_heads,
+    )
+
+
+def _holds_padded_rows(buffer: torch.Tensor, group_rows: int) -> bool:
+    """Whether ``buffer`` ([splits, B, S_q, H(, Dv)]) has, for every split and request, a
+    slot of ``group_rows`` rows that no other split or request shares and that lies inside
+    its storage. Strides of size-1 dims address nothing and are not read."""
+    splits, batch = buffer.shape[:2]
+    span = group_rows * buffer.stride(3)
+    request_end = (batch - 1) * buffer.stride(1) + span
+    if batch > 1 and buffer.stride(1) < span:
+        return False
+    if splits > 1 and buffer.stride(0) < request_end:
+        return False
+    end = buffer.storage_offset() + (splits - 1) * buffer.stride(0) + request_end
+    return end * buffer.element_size() <= buffer.untyped_storage().nbytes()
+
+
+def _stage1_arguments(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    fault_flag: torch.Tensor | None,
+    *,
+    head_dim_v: int,
+    softmax_scale: float,
+    causal: bool,
+    kv_scale: float | None,
+    num_groups: int,
+    num_kv_splits: int,
+    config: LaunchConfig,
+    target: TritonTarget,
+    dot_types: dict,
+    rows_padded: bool = False,
+) -> tuple[tuple[int], tuple, dict]:
+    """``(grid, args, kwargs)`` of the stage-1 launch: what ``mla_decode`` runs and what
+    ``programs_per_cu`` compiles (on meta tensors) to read the kernel's resources. ``q`` and
+    ``q_scale`` as ``_stage1_q`` gives them; ``dot_types`` from the caller's q dtype.
+    ``rows_padded``: ``part_out`` / ``part_lse`` are views of ``_partials`` buffers, with a
+    slot for every row of every group (the kernel then writes the padded rows too)."""
+    _, q_len, num_heads, head_dim = q.shape
+    rope_dim = head_dim - head_dim_v
+    dequant = 1.0 if kv_scale is None else float(kv_scale)
+    padded_dv = max(16, triton.next_power_of_2(head_dim_v))
+    # Two V halves only when each half is still a whole dot tile.
+    dv_chunks = config.dv_chunks if padded_dv >= 32 else 1
+    grid = (q.shape[0] * num_groups * num_kv_splits,)
+    # A causal verify window's own keys (S_q - 1) go through tail tiles of BLOCK_W keys: as
+    # few as hold them, at least the K of one dot (32 for fp8 operands), at most BLOCK_N.
+    fp8_dot = dot_types["QK_FP8"] or dot_types["PV_FP8"]
+    block_w = min(
+        config.block_n, max(32 if fp8_dot else 16, triton.next_power_of_2(max(q_len - 1, 1)))
+    )
+    if config.keys_as_m:
+        # Keys are the dots' M: a tail tile of fewer keys than the walk's would pad them.
+        block_w = config.block_n
+    # Stage 1 addresses an output row (query i, head h) as row i x H + h: the buffers are
+    # ours, allocated [splits, B, S_q, H(, Dv)] with S_q and H adjacent.
+    for name, buffer in (("part_out", part_out), ("part_lse", part_lse)):
+        if buffer.stride(2) != num_heads * buffer.stride(3):
+            raise RuntimeError(
+                f"_stage1_arguments: {name} must hold S_q and H adjacent (stride(2) == H x "
+                f"stride(3)), got strides {buffer.stride()}"
+            )
+        # Padded rows are written: each request must have a slot for all of them.
+        if rows_padded and not _holds_padded_rows(buffer, num_groups * config.block_h):
+            raise RuntimeError(
+                f"_stage1_arguments: {name} must hold {num_groups} x {config.block_h} rows "
+                f"per request with rows_padded, got shape {tuple(buffer.shape)}, strides "
+                f"{buffer.stride()}, storage offset {buffer.storage_offset()} in a storage "
+                f"of {buffer.untyped_storage().nbytes()} bytes"
+            )
+    args = (
+        q,
+        # Without fp8 Q any pointer will do: QK_FP8=False never reads it.
+        part_lse if q_scale is None else q_scale,
+        kv_cache,
+        block_table,
+        cache_seqlens,
+        part_out,
+        part_lse,
+        # Without a flag any pointer will do: HAS_FAULT_FLAG=False compiles the atomic away.
+        part_lse if fault_flag is None else fault_flag,
+        softmax_scale * dequant * math.log2(math.e),
+        dequant / dot_types["P_SCALE"],
+        num_groups,
+        num_kv_splits,
+        kv_cache.shape[0],
+        block_table.shape[1],
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(3),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        part_lse.stride(3),
+    )
+    kwargs = dict(
+        Q_LEN=q_len,
+        NUM_HEADS=num_heads,
+        HEAD_DIM_V=head_dim_v,
+        ROPE_DIM=rope_dim,
+        PAGE_SIZE=kv_cache.shape[1],
+        CAUSAL=bool(causal),
+        BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n,
+        BLOCK_W=block_w,
+        BLOCK_DV=padded_dv // dv_chunks,
+        DV_CHUNKS=dv_chunks,
+        BLOCK_DR=max(16, triton.next_power_of_2(rope_dim)),
+        NUM_XCDS=config.num_xcds,
+        HAS_FAULT_FLAG=fault_flag is not None,
+        PREFETCH_IDS=config.prefetch_ids,
+        ROWS_PADDED=rows_padded,
+        # FP8_MAX is quantize_q's.
+        **{k: v for k, v in dot_types.items() if k != "FP8_MAX"},
+        **config.launch_options(target),
+    )
+    return grid, args, kwargs
