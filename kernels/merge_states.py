@@ -33,36 +33,23 @@ def merge_launch_options(target: TritonTarget | None) -> dict:
 
 
 @triton.jit
-def _merge_states_kernel(
-    outs_ptr,  # [N, G, R / G, Dv]
-    lses_ptr,  # [N, G, R / G]
-    out_ptr,  # [R, Dv]
-    out_lse_ptr,  # [R] fp32
+def _merge_rows(
+    lse_rows,  # [BLOCK_R] pointers to partial 0's lse of each row
+    part_rows,  # [BLOCK_R] pointers to partial 0's output row
+    out_rows,  # [BLOCK_R] pointers to the merged output rows
+    out_lse_rows,  # [BLOCK_R] pointers to the merged lse
     num_parts,
-    num_rows,
-    rows_per_group,  # output row r is row r % rows_per_group of partial group r // it
-    stride_outs_n,
-    stride_outs_g,
-    stride_outs_r,
+    r_mask,
     stride_lses_n,
-    stride_lses_g,
-    stride_lses_r,
-    stride_out_r,
+    stride_outs_n,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """Merge ``num_parts`` partials (``stride_*_n`` apart) of BLOCK_R rows: the formula of
+    ``rocm_mla.merge`` (module docstring), shared by both merge kernels."""
     offs_p = tl.arange(0, BLOCK_P)
-    r_mask = offs_r < num_rows
-    group = (offs_r // rows_per_group).to(tl.int64)
-    in_group = (offs_r % rows_per_group).to(tl.int64)
-    # Index x stride products are int64: N x R x Dv partials can pass 2^31 elements.
-    lse_rows = lses_ptr + group * stride_lses_g + in_group * stride_lses_r
-    part_rows = outs_ptr + group * stride_outs_g + in_group * stride_outs_r
-    out_rows = out_ptr + offs_r.to(tl.int64) * stride_out_r
-
     # Pass 1: the largest finite lse of each row, and whether any lse is NaN or +inf.
     top = tl.full([BLOCK_R], float("-inf"), tl.float32)
     broken = tl.zeros([BLOCK_R], tl.int32)
@@ -124,7 +111,122 @@ def _merge_states_kernel(
     seen = total > 0
     out_lse = tl.where(seen, ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
     out_lse = tl.where(poisoned, float("nan"), out_lse)
-    tl.store(out_lse_ptr + offs_r, out_lse, mask=r_mask)
+    tl.store(out_lse_rows, out_lse, mask=r_mask)
+
+
+@triton.jit
+def _merge_states_kernel(
+    outs_ptr,  # [N, G, R / G, Dv]
+    lses_ptr,  # [N, G, R / G]
+    out_ptr,  # [R, Dv]
+    out_lse_ptr,  # [R] fp32
+    num_parts,
+    num_rows,
+    rows_per_group,  # output row r is row r % rows_per_group of partial group r // it
+    stride_outs_n,
+    stride_outs_g,
+    stride_outs_r,
+    stride_lses_n,
+    stride_lses_g,
+    stride_lses_r,
+    stride_out_r,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < num_rows
+    group = (offs_r // rows_per_group).to(tl.int64)
+    in_group = (offs_r % rows_per_group).to(tl.int64)
+    # Index x stride products are int64: N x R x Dv partials can pass 2^31 elements.
+    lse_rows = lses_ptr + group * stride_lses_g + in_group * stride_lses_r
+    part_rows = outs_ptr + group * stride_outs_g + in_group * stride_outs_r
+    out_rows = out_ptr + offs_r.to(tl.int64) * stride_out_r
+
+    _merge_rows(
+        lse_rows,
+        part_rows,
+        out_rows,
+        out_lse_ptr + offs_r,
+        num_parts,
+        r_mask,
+        stride_lses_n,
+        stride_outs_n,
+        HEAD_DIM_V,
+        BLOCK_P,
+        BLOCK_R,
+        BLOCK_D,
+    )
+
+
+@triton.jit
+def _merge_pieces_kernel(
+    part_out_ptr,  # [P, GROUP_ROWS, Dv] fp32: stage 1's partials of cut units
+    part_lse_ptr,  # [P, GROUP_ROWS] fp32
+    unit_parts_ptr,  # [B * G, 2] int32: (first partial, count) per unit (schedule)
+    split_units_ptr,  # [K] int32: the cut units, -1 past the last
+    out_ptr,  # [B, rows, Dv]
+    out_lse_ptr,  # [B, rows] fp32
+    num_groups,
+    num_rows,  # S_q x H
+    row_blocks,  # programs per cut unit
+    stride_po_p,
+    stride_po_r,
+    stride_pl_p,
+    stride_out_b,
+    stride_out_r,
+    stride_lse_b,
+    GROUP_ROWS: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Stage 2 of a balanced schedule: the rows of every unit (request, row group) cut into
+    several segments merged from its partials; a unit in one segment wrote its rows itself."""
+    pid = tl.program_id(0)
+    unit = tl.load(split_units_ptr + pid // row_blocks)
+    if unit >= 0:
+        first = tl.load(unit_parts_ptr + unit * 2).to(tl.int64)
+        count = tl.load(unit_parts_ptr + unit * 2 + 1)
+        b = (unit // num_groups).to(tl.int64)
+        in_group = (pid % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row = (unit % num_groups) * GROUP_ROWS + in_group
+        r_mask = (in_group < GROUP_ROWS) & (row < num_rows)
+        _merge_rows(
+            part_lse_ptr + first * stride_pl_p + in_group,
+            part_out_ptr + first * stride_po_p + in_group.to(tl.int64) * stride_po_r,
+            out_ptr + b * stride_out_b + row.to(tl.int64) * stride_out_r,
+            out_lse_ptr + b * stride_lse_b + row,
+            count,
+            r_mask,
+            stride_pl_p,
+            stride_po_p,
+            HEAD_DIM_V,
+            BLOCK_P,
+            BLOCK_R,
+            BLOCK_D,
+        )
+
+
+def _merge_blocks(
+    target: TritonTarget | None, num_parts: int, rows: int, head_dim_v: int
+) -> tuple[int, int, int]:
+    """``(BLOCK_P, BLOCK_R, BLOCK_D)`` of a merge of ``num_parts`` partials (at most) of
+    ``rows`` rows."""
+    if target is not None and target.backend == "interpreter":
+        # The interpreter pays per program and per op, not per register: take whole rows,
+        # 16 partials at a time, and as many rows as keep the [P, R, D] tile near 256K.
+        block_p = min(triton.next_power_of_2(max(num_parts, 1)), 16)
+        block_d = min(triton.next_power_of_2(head_dim_v), 512)
+        block_r = max(1, min(triton.next_power_of_2(rows), (1 << 18) // (block_p * block_d)))
+        return block_p, block_r, block_d
+    # One row per GPU program (rows are plenty), Dv in chunks of 256 and a [4, 1, 256]
+    # tile: 16 fp32 values per lane in one 64-lane AMD wave, where a [16, 1, 512] tile
+    # spills registers. Always 4 partials per step (masked past N): one kernel for every
+    # split count, and sm90's ptxas spills the 2-partial build (4 bytes at 32 registers).
+    return 4, 1, min(triton.next_power_of_2(head_dim_v), 256)
 
 
 def launch_merge(
@@ -161,20 +263,7 @@ def launch_merge(
         if t.stride(-1) != 1:
             raise ValueError(f"launch_merge: {name} must have stride 1 in its last dim")
     target = triton_target() if target is None else target
-    if target is not None and target.backend == "interpreter":
-        # The interpreter pays per program and per op, not per register: take whole rows,
-        # 16 partials at a time, and as many rows as keep the [P, R, D] tile near 256K.
-        block_p = min(triton.next_power_of_2(max(num_parts, 1)), 16)
-        block_d = min(triton.next_power_of_2(head_dim_v), 512)
-        block_r = max(1, min(triton.next_power_of_2(rows), (1 << 18) // (block_p * block_d)))
-    else:
-        # One row per GPU program (rows are plenty), Dv in chunks of 256 and a [4, 1, 256]
-        # tile: 16 fp32 values per lane in one 64-lane AMD wave, where a [16, 1, 512] tile
-        # spills registers. Always 4 partials per step (masked past N): one kernel for every
-        # split count, and sm90's ptxas spills the 2-partial build (4 bytes at 32 registers).
-        block_p = 4
-        block_d = min(triton.next_power_of_2(head_dim_v), 256)
-        block_r = 1
+    block_p, block_r, block_d = _merge_blocks(target, num_parts, rows, head_dim_v)
     _merge_states_kernel[(triton.cdiv(rows, block_r),)](
         outs,
         lses,
@@ -190,6 +279,53 @@ def launch_merge(
         lses.stride(1),
         lses.stride(2),
         out.stride(0),
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_P=block_p,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        **merge_launch_options(target),
+    )
+
+
+def launch_merge_pieces(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    unit_parts: torch.Tensor,
+    split_units: torch.Tensor,
+    out: torch.Tensor,
+    out_lse: torch.Tensor,
+    *,
+    num_groups: int,
+    target: TritonTarget | None = None,
+) -> None:
+    """Merge a balanced schedule's partials (``rocm_mla.kernels.schedule``) into ``out
+    [B, rows, Dv]`` / ``out_lse [B, rows]``: ``part_out [P, R_g, Dv]`` / ``part_lse [P, R_g]``
+    hold ``R_g`` (one row group's) rows per partial; every unit listed in ``split_units``
+    merges its ``unit_parts`` range. The grid is fixed by the tables' capacity (graph-safe);
+    a program of an unused entry (-1) does nothing."""
+    group_rows, head_dim_v = part_out.shape[1], part_out.shape[2]
+    if part_out.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("launch_merge_pieces: part_out and out must have stride 1 in Dv")
+    target = triton_target() if target is None else target
+    block_p, block_r, block_d = _merge_blocks(target, 16, group_rows, head_dim_v)
+    row_blocks = triton.cdiv(group_rows, block_r)
+    _merge_pieces_kernel[(split_units.shape[0] * row_blocks,)](
+        part_out,
+        part_lse,
+        unit_parts,
+        split_units,
+        out,
+        out_lse,
+        num_groups,
+        out.shape[1],
+        row_blocks,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_lse.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out_lse.stride(0),
+        GROUP_ROWS=group_rows,
         HEAD_DIM_V=head_dim_v,
         BLOCK_P=block_p,
         BLOCK_R=block_r,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from rocm_mla.kernels.merge_states import launch_merge
+from rocm_mla.kernels.merge_states import launch_merge_pieces
 from rocm_mla.kernels.mla_decode_args import (
     _dot_types,
     _group_config,
@@ -35,17 +35,23 @@ from rocm_mla.kernels.mla_decode_args import (
 )
 from rocm_mla.kernels.mla_decode_kernel import _mla_decode_stage1
 from rocm_mla.kernels.occupancy import programs_per_cu
-from rocm_mla.kernels.plan import choose_num_kv_splits, plan_launch, plan_num_kv_splits
+from rocm_mla.kernels.plan import choose_num_kv_splits, plan_launch
+from rocm_mla.kernels.schedule import (
+    ScheduleTables,
+    device_schedule,
+    empty_tables,
+    partial_capacity,
+)
 from rocm_mla.kernels.target import triton_target
 from rocm_mla.kernels.tuned_configs import LaunchConfig
 
 __all__ = [
     "LaunchConfig",
+    "ScheduleTables",
     "choose_num_kv_splits",
     "default_config",
     "mla_decode",
     "plan_launch",
-    "plan_num_kv_splits",
     "programs_per_cu",
     "table_entry",
     "target_key",
@@ -62,11 +68,12 @@ def mla_decode(
     softmax_scale: float,
     causal: bool = True,
     kv_scale: float | None = None,
-    num_kv_splits: int | None = None,
     config: LaunchConfig | None = None,
+    schedule: ScheduleTables | None = None,
+    num_slots: int | None = None,
     fault_flag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV MLA decode over shape-checked inputs (``rocm_mla.inputs.prepare_decode``).
+    """Balanced split-KV MLA decode over shape-checked inputs (``rocm_mla.inputs.prepare_decode``).
 
     Lengths and block ids need not have been value-checked: nothing outside ``kv_cache``
     and ``block_table`` is ever read, whatever they hold, and every query row that may see a
@@ -82,11 +89,14 @@ def mla_decode(
         softmax_scale: the score scale (already resolved, e.g. ``D ** -0.5``).
         causal: query ``i`` sees keys ``[0, L - S_q + i]``; else all ``L``.
         kv_scale: per-tensor dequant scale of an fp8 cache, else None.
-        num_kv_splits: the split count (>= 1), e.g. from ``plan_launch``; None plans it per
-            call with ``plan_num_kv_splits`` (one host sync to read the lengths). Given, the
-            call makes no device-to-host transfer.
         config: stage-1 launch config (e.g. from ``plan_launch``); None takes the tuned
             table's entry for this target and shape (host-only).
+        schedule: the step's schedule (``schedule.host_schedule`` / ``device_schedule``, for
+            these lengths, this batch and this config's row groups); None builds it here on
+            the device from ``cache_seqlens`` (one small planner launch, no host read).
+        num_slots: with ``schedule`` None, the resident slots to balance over (>= 1); None
+            takes ``plan_launch``'s (compute units x the compiled kernel's programs per CU).
+            The call never transfers from the device to the host.
         fault_flag: int32 ``[1]`` on q's device, or None: the kernel ORs
             ``rocm_mla.inputs.FAULT_BLOCK_ID`` / ``FAULT_BEYOND_TABLE`` into it on the device
             (no sync) when a row may see such a key; it never clears it.
@@ -132,31 +142,47 @@ def mla_decode(
     config = _group_config(config, q_len * num_heads)
     rows = q_len * num_heads
     num_groups = triton.cdiv(rows, config.block_h)
-    if num_kv_splits is None:
-        num_kv_splits = plan_num_kv_splits(
-            cache_seqlens, q_len, num_heads, config, target, kv_dtype=kv_cache.dtype
+    if schedule is None:
+        if num_slots is None:
+            _, num_slots = plan_launch(
+                q_len=q_len,
+                num_heads=num_heads,
+                kv_dtype=kv_cache.dtype,
+                target=target,
+                config=config,
+                q_dtype=q.dtype,
+                head_dim=q.shape[3],
+                head_dim_v=head_dim_v,
+                page_size=kv_cache.shape[1],
+                cache_bytes=kv_cache.numel() * kv_cache.element_size(),
+            )
+        elif isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(
+                f"mla_decode: num_slots must be an int >= 1 or None, got {num_slots!r}"
+            )
+        schedule = empty_tables(batch, num_groups, num_slots, q.device)
+        device_schedule(
+            cache_seqlens, schedule, capacity_keys=block_table.shape[1] * kv_cache.shape[1]
         )
-    elif isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int) or num_kv_splits < 1:
+    elif (
+        schedule.num_groups != num_groups
+        or schedule.unit_parts.shape[0] != batch * num_groups
+        or schedule.segments.device != q.device
+    ):
         raise ValueError(
-            f"mla_decode: num_kv_splits must be an int >= 1 or None, got {num_kv_splits!r}"
+            f"mla_decode: the schedule was made for {schedule.unit_parts.shape[0]} units of "
+            f"{schedule.num_groups} row groups on {schedule.segments.device}; this call has "
+            f"{batch} requests x {num_groups} groups of {config.block_h} rows on {q.device}"
         )
 
     out = torch.empty(batch, q_len, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
-    if num_kv_splits == 1:
-        part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)
-        rows_padded = False
-    else:
-        part_out, part_lse, rows_padded = _partials(
-            num_kv_splits,
-            batch,
-            q_len,
-            num_heads,
-            head_dim_v,
-            num_groups * config.block_h,
-            q.device,
-        )
-
+    partials = (
+        partial_capacity(schedule.num_slots)
+        if schedule.num_partials is None
+        else schedule.num_partials
+    )
+    part_out, part_lse = _partials(max(partials, 1), config.block_h, head_dim_v, q.device)
     dot_types = _dot_types(q.dtype, kv_cache.dtype, target, config)
     q_in, q_scale = _stage1_q(q, kv_cache.dtype, dot_types, target)
     grid, args, kwargs = _stage1_arguments(
@@ -165,6 +191,10 @@ def mla_decode(
         kv_cache,
         block_table,
         cache_seqlens,
+        schedule.slot_segments,
+        schedule.segments,
+        out,
+        lse,
         part_out,
         part_lse,
         fault_flag,
@@ -173,19 +203,23 @@ def mla_decode(
         causal=causal,
         kv_scale=kv_scale,
         num_groups=num_groups,
-        num_kv_splits=num_kv_splits,
         config=config,
         target=target,
         dot_types=dot_types,
-        rows_padded=rows_padded,
     )
+    # A host-made schedule knows the slots it fills: a small step launches that few.
+    if schedule.used_slots is not None:
+        grid = (schedule.used_slots,)
     _mla_decode_stage1[grid](*args, **kwargs)
-    if num_kv_splits > 1:
-        launch_merge(
-            part_out.view(num_kv_splits, batch, rows, head_dim_v),
-            part_lse.view(num_kv_splits, batch, rows),
-            out.view(batch * rows, head_dim_v),
-            lse.view(batch * rows),
-            target,
+    if partials > 0:
+        launch_merge_pieces(
+            part_out,
+            part_lse,
+            schedule.unit_parts,
+            schedule.split_units,
+            out.view(batch, rows, head_dim_v),
+            lse.view(batch, rows),
+            num_groups=num_groups,
+            target=target,
         )
     return out, lse

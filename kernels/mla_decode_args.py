@@ -183,44 +183,15 @@ def _stage1_q(
 
 
 def _partials(
-    splits: int,
-    batch: int,
-    q_len: int,
-    num_heads: int,
-    head_dim_v: int,
-    group_rows: int,
-    device,
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Stage 1's fp32 partials ``(out [splits, B, S_q, H, Dv], lse [splits, B, S_q, H],
-    rows_padded)``: views of buffers that hold ``group_rows`` (num_groups x BLOCK_H) rows
-    per request, so that the rows padding the last group have slots of their own and stage
-    1 stores every row unmasked (``ROWS_PADDED``); plain buffers where no row pads."""
-    out = torch.empty(splits, batch, group_rows, head_dim_v, dtype=torch.float32, device=device)
-    lse = torch.empty(splits, batch, group_rows, dtype=torch.float32, device=device)
-    # as_strided, not view: a view may give a size-1 dim (B = 1) any stride, and the
-    # stride check in _stage1_arguments reads the strides of the real buffer.
-    shape = (splits, batch, q_len, num_heads)
-    lse_strides = (batch * group_rows, group_rows, num_heads, 1)
+    capacity: int, group_rows: int, head_dim_v: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1's fp32 partials ``(out [capacity, group_rows, Dv], lse [capacity, group_rows])``
+    for a schedule's cut units: one slot per segment of such a unit, with a row for every
+    row of its group (BLOCK_H, padding rows included), so stage 1 stores them unmasked."""
     return (
-        out.as_strided((*shape, head_dim_v), (*(s * head_dim_v for s in lse_strides), 1)),
-        lse.as_strided(shape, lse_strides),
-        group_rows != q_len * num_heads,
+        torch.empty(capacity, group_rows, head_dim_v, dtype=torch.float32, device=device),
+        torch.empty(capacity, group_rows, dtype=torch.float32, device=device),
     )
-
-
-def _holds_padded_rows(buffer: torch.Tensor, group_rows: int) -> bool:
-    """Whether ``buffer`` ([splits, B, S_q, H(, Dv)]) has, for every split and request, a
-    slot of ``group_rows`` rows that no other split or request shares and that lies inside
-    its storage. Strides of size-1 dims address nothing and are not read."""
-    splits, batch = buffer.shape[:2]
-    span = group_rows * buffer.stride(3)
-    request_end = (batch - 1) * buffer.stride(1) + span
-    if batch > 1 and buffer.stride(1) < span:
-        return False
-    if splits > 1 and buffer.stride(0) < request_end:
-        return False
-    end = buffer.storage_offset() + (splits - 1) * buffer.stride(0) + request_end
-    return end * buffer.element_size() <= buffer.untyped_storage().nbytes()
 
 
 def _stage1_arguments(
@@ -229,6 +200,10 @@ def _stage1_arguments(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
+    slot_segments: torch.Tensor,
+    segments: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
     fault_flag: torch.Tensor | None,
@@ -238,24 +213,23 @@ def _stage1_arguments(
     causal: bool,
     kv_scale: float | None,
     num_groups: int,
-    num_kv_splits: int,
     config: LaunchConfig,
     target: TritonTarget,
     dot_types: dict,
-    rows_padded: bool = False,
 ) -> tuple[tuple[int], tuple, dict]:
     """``(grid, args, kwargs)`` of the stage-1 launch: what ``mla_decode`` runs and what
     ``programs_per_cu`` compiles (on meta tensors) to read the kernel's resources. ``q`` and
     ``q_scale`` as ``_stage1_q`` gives them; ``dot_types`` from the caller's q dtype.
-    ``rows_padded``: ``part_out`` / ``part_lse`` are views of ``_partials`` buffers, with a
-    slot for every row of every group (the kernel then writes the padded rows too)."""
+    ``slot_segments`` / ``segments``: a schedule's tables (``schedule.py``), one program per
+    slot; ``out`` / ``lse`` the final ``[B, S_q, H(, Dv)]`` rows, ``part_out`` / ``part_lse``
+    the ``_partials`` of its cut units."""
     _, q_len, num_heads, head_dim = q.shape
     rope_dim = head_dim - head_dim_v
     dequant = 1.0 if kv_scale is None else float(kv_scale)
     padded_dv = max(16, triton.next_power_of_2(head_dim_v))
     # Two V halves only when each half is still a whole dot tile.
     dv_chunks = config.dv_chunks if padded_dv >= 32 else 1
-    grid = (q.shape[0] * num_groups * num_kv_splits,)
+    grid = (slot_segments.shape[0] - 1,)
     # A causal verify window's own keys (S_q - 1) go through tail tiles of BLOCK_W keys: as
     # few as hold them, at least the K of one dot (32 for fp8 operands), at most BLOCK_N.
     fp8_dot = dot_types["QK_FP8"] or dot_types["PV_FP8"]
@@ -265,22 +239,27 @@ def _stage1_arguments(
     if config.keys_as_m:
         # Keys are the dots' M: a tail tile of fewer keys than the walk's would pad them.
         block_w = config.block_n
-    # Stage 1 addresses an output row (query i, head h) as row i x H + h: the buffers are
-    # ours, allocated [splits, B, S_q, H(, Dv)] with S_q and H adjacent.
-    for name, buffer in (("part_out", part_out), ("part_lse", part_lse)):
-        if buffer.stride(2) != num_heads * buffer.stride(3):
+    # Stage 1 addresses an output row (query i, head h) as row i x H + h, and a partial's
+    # rows (a slot for each of BLOCK_H) and values with unit strides: the buffers are ours.
+    for name, buffer in (("out", out), ("lse", lse)):
+        if buffer.stride(1) != num_heads * buffer.stride(2):
             raise RuntimeError(
-                f"_stage1_arguments: {name} must hold S_q and H adjacent (stride(2) == H x "
-                f"stride(3)), got strides {buffer.stride()}"
+                f"_stage1_arguments: {name} must hold S_q and H adjacent (stride(1) == H x "
+                f"stride(2)), got strides {buffer.stride()}"
             )
-        # Padded rows are written: each request must have a slot for all of them.
-        if rows_padded and not _holds_padded_rows(buffer, num_groups * config.block_h):
-            raise RuntimeError(
-                f"_stage1_arguments: {name} must hold {num_groups} x {config.block_h} rows "
-                f"per request with rows_padded, got shape {tuple(buffer.shape)}, strides "
-                f"{buffer.stride()}, storage offset {buffer.storage_offset()} in a storage "
-                f"of {buffer.untyped_storage().nbytes()} bytes"
-            )
+    if (
+        part_out.dim() != 3
+        or part_out.shape[1] != config.block_h
+        or part_out.stride(2) != 1
+        or tuple(part_lse.shape) != tuple(part_out.shape[:2])
+        or part_lse.stride(1) != 1
+    ):
+        raise RuntimeError(
+            f"_stage1_arguments: partials must be [P, {config.block_h}, Dv] and [P, "
+            f"{config.block_h}] with unit strides in their last dims, got "
+            f"{tuple(part_out.shape)} {part_out.stride()} and {tuple(part_lse.shape)} "
+            f"{part_lse.stride()}"
+        )
     args = (
         q,
         # Without fp8 Q any pointer will do: QK_FP8=False never reads it.
@@ -288,6 +267,10 @@ def _stage1_arguments(
         kv_cache,
         block_table,
         cache_seqlens,
+        slot_segments,
+        segments,
+        out,
+        lse,
         part_out,
         part_lse,
         # Without a flag any pointer will do: HAS_FAULT_FLAG=False compiles the atomic away.
@@ -295,7 +278,6 @@ def _stage1_arguments(
         softmax_scale * dequant * math.log2(math.e),
         dequant / dot_types["P_SCALE"],
         num_groups,
-        num_kv_splits,
         kv_cache.shape[0],
         block_table.shape[1],
         q.stride(0),
@@ -304,12 +286,13 @@ def _stage1_arguments(
         kv_cache.stride(0),
         kv_cache.stride(1),
         block_table.stride(0),
+        out.stride(0),
+        out.stride(2),
+        lse.stride(0),
+        lse.stride(2),
         part_out.stride(0),
         part_out.stride(1),
-        part_out.stride(3),
         part_lse.stride(0),
-        part_lse.stride(1),
-        part_lse.stride(3),
     )
     kwargs = dict(
         Q_LEN=q_len,
@@ -327,7 +310,6 @@ def _stage1_arguments(
         NUM_XCDS=config.num_xcds,
         HAS_FAULT_FLAG=fault_flag is not None,
         PREFETCH_IDS=config.prefetch_ids,
-        ROWS_PADDED=rows_padded,
         # FP8_MAX is quantize_q's.
         **{k: v for k, v in dot_types.items() if k != "FP8_MAX"},
         **config.launch_options(target),

@@ -340,20 +340,66 @@ def _attend_tile(
 
 
 @triton.jit
-def _mla_decode_stage1(
-    q_ptr,  # [B, S_q, H, D]; with QK_FP8 quantized per row (``quantize_q``)
-    q_scale_ptr,  # [B, S_q, H] fp32 row scales of q (read only with QK_FP8)
-    kv_ptr,  # [num_blocks, PAGE_SIZE, D], unit stride in D
-    block_table_ptr,  # [B, max_blocks] int32
-    seqlens_ptr,  # [B] int32
-    out_ptr,  # [splits, B, S_q, H, Dv] (fp32 partials; ROWS_PADDED: num_groups x BLOCK_H row
-    # slots per request) or [B, S_q, H, Dv] (final, 1 split)
-    lse_ptr,  # [splits, B, S_q, H] fp32 or [B, S_q, H]
-    fault_ptr,  # [1] int32, FAULT_* bits ORed in (read only with HAS_FAULT_FLAG)
-    qk_scale,  # softmax scale x kv dequant scale x log2(e): scores in base 2
-    out_scale,  # kv dequant scale / P_SCALE, applied to the output
-    num_groups,
-    num_splits,
+def _store_rows(
+    out_rows,  # [BLOCK_H] pointers to each row's first output value
+    lse_rows,  # [BLOCK_H] pointers to each row's lse
+    out,
+    out_hi,
+    lse,
+    row_valid,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DV_CHUNKS: tl.constexpr,
+    FULL_ROWS: tl.constexpr,
+):
+    """Store a group's output rows (and the V half ``out_hi`` with ``DV_CHUNKS == 2``).
+    Masks are written apart from the q loads' (which CSE would merge and keep live through
+    the walk), and there are none where every row has a slot and every column is real
+    (``FULL_ROWS``): no row mask then stays live through the walk either."""
+    offs_dv = tl.arange(0, BLOCK_DV)
+    FULL: tl.constexpr = FULL_ROWS and HEAD_DIM_V == BLOCK_DV * DV_CHUNKS
+    if FULL:
+        tl.store(out_rows[:, None] + offs_dv[None, :], out)
+    else:
+        tl.store(
+            out_rows[:, None] + offs_dv[None, :],
+            out,
+            mask=(offs_dv < HEAD_DIM_V)[None, :] & row_valid[:, None],
+        )
+    if DV_CHUNKS == 2:
+        if FULL:
+            tl.store(out_rows[:, None] + BLOCK_DV + offs_dv[None, :], out_hi)
+        else:
+            tl.store(
+                out_rows[:, None] + BLOCK_DV + offs_dv[None, :],
+                out_hi,
+                mask=(BLOCK_DV + offs_dv < HEAD_DIM_V)[None, :] & row_valid[:, None],
+            )
+    if FULL_ROWS:
+        tl.store(lse_rows, lse)
+    else:
+        tl.store(lse_rows, lse, mask=row_valid)
+
+
+@triton.jit
+def _decode_segment(
+    b,  # the request
+    group,  # its row group
+    seg_start,  # the segment's keys: [seg_start, seg_stop), multiples of the tile
+    seg_stop,
+    part,  # its partial slot, or -1: the unit's only segment writes the final rows
+    q_ptr,
+    q_scale_ptr,
+    kv_ptr,
+    block_table_ptr,
+    seqlens_ptr,
+    out_ptr,
+    lse_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    fault_ptr,
+    qk_scale,
+    out_scale,
     num_blocks,
     max_blocks,
     stride_q_b,
@@ -362,12 +408,13 @@ def _mla_decode_stage1(
     stride_kv_block,
     stride_kv_token,
     stride_bt_b,
-    stride_out_split,
     stride_out_b,
     stride_out_h,
-    stride_lse_split,
     stride_lse_b,
     stride_lse_h,
+    stride_part_p,
+    stride_part_r,
+    stride_part_lse_p,
     Q_LEN: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
@@ -394,15 +441,9 @@ def _mla_decode_stage1(
     NUM_XCDS: tl.constexpr,
     HAS_FAULT_FLAG: tl.constexpr,
     PREFETCH_IDS: tl.constexpr,
-    ROWS_PADDED: tl.constexpr,
 ):
-    num_programs = tl.num_programs(0)
-    pid = _remap_for_xcds(tl.program_id(0), num_programs, NUM_XCDS)
-    # Row groups vary fastest: consecutive ids read the same KV slice.
-    group = pid % num_groups
-    split = (pid // num_groups) % num_splits
-    b = pid // (num_groups * num_splits)
-
+    """One segment of a slot's list (``_mla_decode_stage1``): walk the request's keys
+    ``[seg_start, seg_stop)`` for one row group, write its partial or its final rows."""
     seqlen = tl.load(seqlens_ptr + b)
     rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
     row_valid = rows < Q_LEN * NUM_HEADS
@@ -424,13 +465,11 @@ def _mla_decode_stage1(
     # length near 2^31 - 1 rounded up to whole tiles would wrap in int32.
     capacity = max_blocks.to(tl.int64) * PAGE_SIZE
     beyond_table = visible.to(tl.int64) > capacity
-    length = tl.minimum(tl.maximum(seqlen, 0).to(tl.int64), capacity)
-    # Split s of this request covers keys [s * chunk, (s + 1) * chunk), chunk a multiple of
-    # the tile; the slice stops at the furthest key any row of this group may see.
-    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(tl.minimum(start + chunk, tl.max(visible, axis=0).to(tl.int64)), capacity)
-    start = tl.minimum(start, end).to(tl.int32)
+    # The segment's slice stops at the furthest key any row of this group may see.
+    end = tl.minimum(
+        tl.minimum(seg_stop.to(tl.int64), tl.max(visible, axis=0).to(tl.int64)), capacity
+    )
+    start = tl.minimum(seg_start.to(tl.int64), end).to(tl.int32)
 
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
@@ -654,45 +693,167 @@ def _mla_decode_stage1(
         )
         rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
         row_valid = rows < Q_LEN * NUM_HEADS
-    out_rows = (
-        out_ptr
-        + split.to(tl.int64) * stride_out_split
-        + b.to(tl.int64) * stride_out_b
-        + rows.to(tl.int64) * stride_out_h
-    )
     if KEYS_AS_M:
         acc = tl.trans(acc)
         if DV_CHUNKS == 2:
             acc_hi = tl.trans(acc_hi)
     out = tl.where(empty[:, None], 0.0, acc * norm[:, None])
-    # Masks written apart from the q loads' (which CSE would merge and keep live through
-    # the walk), and none where every row and column is real or, with ROWS_PADDED, has a
-    # slot (partials allocated num_groups x BLOCK_H rows per request): no row mask then
-    # stays live through the walk either.
-    FULL_ROWS: tl.constexpr = ROWS_PADDED or Q_LEN * NUM_HEADS % BLOCK_H == 0
-    if FULL_ROWS and HEAD_DIM_V == BLOCK_DV * DV_CHUNKS:
-        tl.store(out_rows[:, None] + offs_dv[None, :], out)
-    else:
-        tl.store(
-            out_rows[:, None] + offs_dv[None, :], out, mask=dv_mask[None, :] & row_valid[:, None]
+    out_hi = tl.where(empty[:, None], 0.0, acc_hi * norm[:, None]) if DV_CHUNKS == 2 else out
+    if part >= 0:
+        # A partial has a slot for every row of the group (padding rows included).
+        in_group = tl.arange(0, BLOCK_H).to(tl.int64)
+        _store_rows(
+            part_out_ptr + part.to(tl.int64) * stride_part_p + in_group * stride_part_r,
+            part_lse_ptr + part.to(tl.int64) * stride_part_lse_p + in_group,
+            out,
+            out_hi,
+            lse,
+            row_valid,
+            HEAD_DIM_V,
+            BLOCK_DV,
+            DV_CHUNKS,
+            True,
         )
-    if DV_CHUNKS == 2:
-        out_hi = tl.where(empty[:, None], 0.0, acc_hi * norm[:, None])
-        if FULL_ROWS and HEAD_DIM_V == BLOCK_DV * DV_CHUNKS:
-            tl.store(out_rows[:, None] + BLOCK_DV + offs_dv[None, :], out_hi)
-        else:
-            tl.store(
-                out_rows[:, None] + BLOCK_DV + offs_dv[None, :],
-                out_hi,
-                mask=dv_mask_hi[None, :] & row_valid[:, None],
-            )
-    lse_rows = (
-        lse_ptr
-        + split.to(tl.int64) * stride_lse_split
-        + b.to(tl.int64) * stride_lse_b
-        + rows.to(tl.int64) * stride_lse_h
-    )
-    if FULL_ROWS:
-        tl.store(lse_rows, lse)
     else:
-        tl.store(lse_rows, lse, mask=row_valid)
+        _store_rows(
+            out_ptr + b.to(tl.int64) * stride_out_b + rows.to(tl.int64) * stride_out_h,
+            lse_ptr + b.to(tl.int64) * stride_lse_b + rows.to(tl.int64) * stride_lse_h,
+            out,
+            out_hi,
+            lse,
+            row_valid,
+            HEAD_DIM_V,
+            BLOCK_DV,
+            DV_CHUNKS,
+            Q_LEN * NUM_HEADS % BLOCK_H == 0,
+        )
+
+
+@triton.jit
+def _mla_decode_stage1(
+    q_ptr,  # [B, S_q, H, D]; with QK_FP8 quantized per row (``quantize_q``)
+    q_scale_ptr,  # [B, S_q, H] fp32 row scales of q (read only with QK_FP8)
+    kv_ptr,  # [num_blocks, PAGE_SIZE, D], unit stride in D
+    block_table_ptr,  # [B, max_blocks] int32
+    seqlens_ptr,  # [B] int32
+    slot_segments_ptr,  # [S + 1] int32: slot s walks segments [this[s], this[s + 1])
+    segments_ptr,  # [*, 4] int32: (unit = b * num_groups + group, first key, end key, partial)
+    out_ptr,  # [B, S_q, H, Dv] final rows, q's dtype
+    lse_ptr,  # [B, S_q, H] fp32
+    part_out_ptr,  # [P, BLOCK_H, Dv] fp32 partials of units cut into several segments
+    part_lse_ptr,  # [P, BLOCK_H] fp32
+    fault_ptr,  # [1] int32, FAULT_* bits ORed in (read only with HAS_FAULT_FLAG)
+    qk_scale,  # softmax scale x kv dequant scale x log2(e): scores in base 2
+    out_scale,  # kv dequant scale / P_SCALE, applied to the output
+    num_groups,
+    num_blocks,
+    max_blocks,
+    stride_q_b,
+    stride_q_i,
+    stride_q_h,
+    stride_kv_block,
+    stride_kv_token,
+    stride_bt_b,
+    stride_out_b,
+    stride_out_h,
+    stride_lse_b,
+    stride_lse_h,
+    stride_part_p,
+    stride_part_r,
+    stride_part_lse_p,
+    Q_LEN: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DV_CHUNKS: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    K_DTYPE: tl.constexpr,
+    V_DTYPE: tl.constexpr,
+    QK_FP8: tl.constexpr,
+    PV_FP8: tl.constexpr,
+    V_VIA_REGISTERS: tl.constexpr,
+    FOLD_IN_BRANCH: tl.constexpr,
+    KEYS_AS_M: tl.constexpr,
+    REMAT_ROWS: tl.constexpr,
+    FP8_DTYPE: tl.constexpr,
+    FP8_EMULATE_MIN_EXP: tl.constexpr,
+    P_SCALE: tl.constexpr,
+    NUM_XCDS: tl.constexpr,
+    HAS_FAULT_FLAG: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,
+):
+    """Stage 1: one program per resident slot of the balanced schedule (``schedule.py``),
+    walking its segments in order; slots next to each other hold neighbouring units (the
+    row groups of one request, or the pieces of one long one), so on gfx942 the XCD remap
+    keeps them on one L2."""
+    slot = _remap_for_xcds(tl.program_id(0), tl.num_programs(0), NUM_XCDS)
+    first_segment = tl.load(slot_segments_ptr + slot)
+    end_segment = tl.load(slot_segments_ptr + slot + 1)
+    for segment in range(first_segment, end_segment):
+        unit = tl.load(segments_ptr + segment * 4)
+        _decode_segment(
+            unit // num_groups,
+            unit % num_groups,
+            tl.load(segments_ptr + segment * 4 + 1),
+            tl.load(segments_ptr + segment * 4 + 2),
+            tl.load(segments_ptr + segment * 4 + 3),
+            q_ptr,
+            q_scale_ptr,
+            kv_ptr,
+            block_table_ptr,
+            seqlens_ptr,
+            out_ptr,
+            lse_ptr,
+            part_out_ptr,
+            part_lse_ptr,
+            fault_ptr,
+            qk_scale,
+            out_scale,
+            num_blocks,
+            max_blocks,
+            stride_q_b,
+            stride_q_i,
+            stride_q_h,
+            stride_kv_block,
+            stride_kv_token,
+            stride_bt_b,
+            stride_out_b,
+            stride_out_h,
+            stride_lse_b,
+            stride_lse_h,
+            stride_part_p,
+            stride_part_r,
+            stride_part_lse_p,
+            Q_LEN,
+            NUM_HEADS,
+            HEAD_DIM_V,
+            ROPE_DIM,
+            PAGE_SIZE,
+            CAUSAL,
+            BLOCK_H,
+            BLOCK_N,
+            BLOCK_W,
+            BLOCK_DV,
+            DV_CHUNKS,
+            BLOCK_DR,
+            K_DTYPE,
+            V_DTYPE,
+            QK_FP8,
+            PV_FP8,
+            V_VIA_REGISTERS,
+            FOLD_IN_BRANCH,
+            KEYS_AS_M,
+            REMAT_ROWS,
+            FP8_DTYPE,
+            FP8_EMULATE_MIN_EXP,
+            P_SCALE,
+            NUM_XCDS,
+            HAS_FAULT_FLAG,
+            PREFETCH_IDS,
+        )

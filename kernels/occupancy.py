@@ -173,15 +173,22 @@ def _compile_stage1_resources(
     kv_cache = torch.empty(pages, page_size, head_dim, dtype=kv_dtype, **meta)
     block_table = torch.empty(batch, triton.cdiv(pages, batch), dtype=torch.int32, **meta)
     seqlens = torch.empty(batch, dtype=torch.int32, **meta)
-    part_out, part_lse, rows_padded = _partials(
-        2, batch, q_len, num_heads, head_dim_v, num_groups * config.block_h, "meta"
-    )
+    # A schedule's tables and buffers (their values are never read by the compiler).
+    slot_segments = torch.empty(batch + 1, dtype=torch.int32, **meta)
+    segments = torch.empty(2 * batch * num_groups, 4, dtype=torch.int32, **meta)
+    out = torch.empty(batch, q_len, num_heads, head_dim_v, dtype=q_dtype, **meta)
+    lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, **meta)
+    part_out, part_lse = _partials(2 * batch, config.block_h, head_dim_v, "meta")
     _, args, kwargs = _stage1_arguments(
         q,
         q_scale,
         kv_cache,
         block_table,
         seqlens,
+        slot_segments,
+        segments,
+        out,
+        lse,
         part_out,
         part_lse,
         None,
@@ -190,11 +197,9 @@ def _compile_stage1_resources(
         causal=True,
         kv_scale=None if kv_dtype not in _FP8_MAX else 1.0,
         num_groups=num_groups,
-        num_kv_splits=2,
         config=config,
         target=here,
         dot_types=dot_types,
-        rows_padded=rows_padded,
     )
     if backend == "cuda":
         gpu_target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)

@@ -1,24 +1,28 @@
-"""Launch planning: the stage-1 config and KV split count of a decode step, from host-known
-lengths (``plan_launch``), with the split heuristic (``choose_num_kv_splits``) sizing the grid
-in whole waves of ``num_cus x programs_per_cu`` resident programs.
+"""Launch planning: the stage-1 config of a decode shape and the resident slots its balanced
+schedule fills (``plan_launch``), and the per-piece overhead that schedule's cost model
+charges. ``choose_num_kv_splits`` is the uniform split count of earlier releases (every
+request of a step cut into the same number of splits), kept as the reference ``rocm-mla
+bench schedule`` measures the balanced schedule against.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 
 from rocm_mla.kernels.mla_decode_args import _group_config, default_config
 from rocm_mla.kernels.occupancy import programs_per_cu
 from rocm_mla.kernels.target import TritonTarget, triton_target
 from rocm_mla.kernels.tuned_configs import LaunchConfig
 
-__all__ = ["choose_num_kv_splits", "plan_launch", "plan_num_kv_splits"]
+__all__ = ["choose_num_kv_splits", "plan_launch"]
 
 
-#: Split-count heuristic (the shape of AITER's): programs should fill whole waves of compute
-#: units, and every extra split costs about this many tokens of work (its prologue, the
-#: partial it writes and stage 2 reading it back).
+#: What one more program or segment costs, in keys of work: its prologue (q rows, the block
+#: table scan), the fp32 partial it writes and stage 2 reading it back. 84 is the constant of
+#: AITER's split heuristic (its ``num_kv_splits`` scoring), whose shape the uniform planner
+#: took; the balanced schedule (``schedule.OVERHEAD_KEYS``), ``rocm-mla bench schedule`` and
+#: ``choose_num_kv_splits`` all charge it. Unmeasured here: a GPU run must time a one-tile
+#: segment against a many-tile one (``scripts/gpu_check.sh``) to confirm it.
 SPLIT_OVERHEAD_TOKENS = 84.0
 #: Below this many keys per split the overhead dominates; never split finer. 128, not 256:
 #: a DCP rank's 4K-16K share of a 32K context at B 8 then still fills 0.9 of a wave
@@ -58,27 +62,26 @@ def choose_num_kv_splits(
 
 def plan_launch(
     *,
-    batch: int,
     q_len: int,
     num_heads: int,
     kv_dtype: torch.dtype,
-    max_len: int,
-    total_len: int,
     target: TritonTarget | None = None,
     config: LaunchConfig | None = None,
     q_dtype: torch.dtype = torch.bfloat16,
     head_dim: int = 576,
     head_dim_v: int = 512,
     page_size: int | None = None,
+    cache_bytes: int = 0,
 ) -> tuple[LaunchConfig, int]:
-    """The stage-1 launch config and split count for one decode step, from host-known lengths.
+    """The stage-1 launch config of a decode shape and the resident slots its schedule fills.
 
-    Pure host arithmetic (no tensor is read): ``rocm_mla.plan_decode`` calls it once per step
-    and every layer of the step launches with the answer. ``max_len``/``total_len`` are the
-    longest and summed cache lengths of the batch (an upper bound works: only speed changes).
-    The config comes from the tuned table of ``target`` (``default_config``) unless given;
-    the split count fills whole waves of ``num_cus x programs_per_cu`` resident programs
-    (the compiled kernel's occupancy for this shape; ``page_size`` None assumes 64).
+    Pure host arithmetic (no tensor is read; the first call per shape compiles stage 1 for
+    ``programs_per_cu``): ``rocm_mla.plan_decode`` calls it once per step and every layer of
+    the step launches with the answer. The config comes from the tuned table of ``target``
+    (``default_config``) unless given; the slots are ``num_cus x programs_per_cu`` (the
+    compiled kernel's occupancy for this shape; ``page_size`` None assumes 64,
+    ``cache_bytes`` is the KV cache's size: HIP uses buffer loads only below 2 GiB). The
+    balanced schedule (``schedule.py``) packs the step's keys into that many slots.
     """
     target = triton_target() if target is None else target
     if target is None:
@@ -86,7 +89,6 @@ def plan_launch(
     if config is None:
         config = default_config(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype)
     config = _group_config(config, q_len * num_heads)
-    num_groups = triton.cdiv(q_len * num_heads, config.block_h)
     slots = target.num_cus * programs_per_cu(
         config,
         target,
@@ -97,37 +99,6 @@ def plan_launch(
         q_len=q_len,
         q_dtype=q_dtype,
         page_size=64 if page_size is None else page_size,
-        cache_bytes=total_len * head_dim * kv_dtype.itemsize,
+        cache_bytes=cache_bytes,
     )
-    splits = choose_num_kv_splits(batch, num_groups, total_len / max(batch, 1), max_len, slots)
-    return config, splits
-
-
-def plan_num_kv_splits(
-    cache_seqlens: torch.Tensor,
-    q_len: int,
-    num_heads: int,
-    config: LaunchConfig | None = None,
-    target: TritonTarget | None = None,
-    kv_dtype: torch.dtype = torch.bfloat16,
-) -> int:
-    """The split count ``mla_decode`` picks when not forced (``plan_launch``).
-
-    Reads the lengths back to the host (one sync). The answer depends only on the lengths
-    and the shape, so a caller that decodes many layers per step (or a benchmark) can plan
-    once and pass ``num_kv_splits`` to every call.
-    """
-    max_len, total_len = (
-        int(v) for v in torch.stack([cache_seqlens.max(), cache_seqlens.sum()]).tolist()
-    )
-    _, splits = plan_launch(
-        batch=cache_seqlens.shape[0],
-        q_len=q_len,
-        num_heads=num_heads,
-        kv_dtype=kv_dtype,
-        max_len=max_len,
-        total_len=total_len,
-        target=target,
-        config=config,
-    )
-    return splits
+    return config, slots

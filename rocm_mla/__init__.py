@@ -13,7 +13,9 @@ from rocm_mla.api import (
     merge_states,
     mla_decode,
     plan_decode,
+    plan_schedule,
     raise_on_fault,
+    replan_decode,
 )
 from rocm_mla.contract import normalize_cp
 
@@ -32,7 +34,9 @@ __all__ = [
     "mla_decode",
     "normalize_cp",
     "plan_decode",
+    "plan_schedule",
     "raise_on_fault",
+    "replan_decode",
 ]
 
 

@@ -53,7 +53,9 @@ __all__ = [
     "merge_states",
     "mla_decode",
     "plan_decode",
+    "plan_schedule",
     "raise_on_fault",
+    "replan_decode",
 ]
 
 
@@ -171,6 +173,11 @@ def plan_decode(
         low, high, total = (
             int(v) for v in torch.stack([lens.min(), lens.max(), lens.sum()]).tolist()
         )
+    capacity = (
+        None
+        if block_table is None or kv_cache is None
+        else block_table.shape[1] * kv_cache.shape[1]
+    )
 
     spec = DecodeSpec(
         device=device,
@@ -191,6 +198,122 @@ def plan_decode(
         max_seqlen=high,
         total_seqlen=total,
         bounds_only=graph_max_seqlen is not None,
+        lengths=lens,
+        capacity_keys=capacity,
+    )
+
+
+def replan_decode(plan: DecodePlan, cache_seqlens: torch.Tensor) -> DecodePlan:
+    """Re-plan ``plan`` for this step's lengths, in place and on the device (no host read).
+
+    A plan made with ``graph_max_seqlen`` holds its launch for any lengths up to the bound;
+    the Triton backend's balanced schedule (which programs walk which keys) is data in the
+    plan's device tables. Call this once per step, before the step's first decode (and
+    outside a captured graph, or inside it before the layers): the tables keep their
+    addresses, so a graph captured with the plan replays with the balance of these lengths.
+    Backends with nothing to re-plan return the plan unchanged.
+
+    Args:
+        plan: a ``DecodePlan`` from ``plan_decode``.
+        cache_seqlens: ``[plan.batch]`` int32 on the plan's device, this step's lengths.
+
+    Returns:
+        ``plan`` itself.
+    """
+    if not isinstance(plan, DecodePlan):
+        raise ValueError(f"replan_decode: plan must be a DecodePlan, got {type(plan).__name__}")
+    if (
+        not isinstance(cache_seqlens, torch.Tensor)
+        or tuple(cache_seqlens.shape) != (plan.batch,)
+        or cache_seqlens.dtype != torch.int32
+        or cache_seqlens.device != plan.spec.device
+    ):
+        got = (
+            f"{tuple(cache_seqlens.shape)} {cache_seqlens.dtype} on {cache_seqlens.device}"
+            if isinstance(cache_seqlens, torch.Tensor)
+            else type(cache_seqlens).__name__
+        )
+        raise ValueError(
+            f"replan_decode: cache_seqlens must be an int32 tensor [{plan.batch}] on "
+            f"{plan.spec.device}, got {got}"
+        )
+    backend_class(plan.backend).reschedule(plan, cache_seqlens)
+    return plan
+
+
+def plan_schedule(
+    cache_seqlens: torch.Tensor | Sequence[int],
+    *,
+    q_len: int,
+    num_heads: int,
+    kv_dtype: torch.dtype,
+    target=None,
+    q_dtype: torch.dtype | None = None,
+    head_dim_v: int = 512,
+    rope_dim: int = 64,
+    page_size: int = 64,
+    max_blocks: int | None = None,
+):
+    """The balanced decomposition the Triton kernel runs for these lengths, on the host.
+
+    For users, tools and tests: which program walks which keys of which request, without a
+    GPU. The same packing ``plan_decode`` builds (``rocm_mla.kernels.schedule``).
+
+    Args:
+        cache_seqlens: ``[B]`` lengths (a list of ints or a tensor, read on the host).
+        q_len, num_heads, kv_dtype, q_dtype, head_dim_v, rope_dim: as ``plan_decode``.
+        target: a ``rocm_mla.kernels.target.TritonTarget``, including one for a GPU this
+            machine lacks (e.g. ``TritonTarget("hip", "gfx942", 304)``: its stage 1 is
+            compiled for that target to read its residency); None: this machine's.
+        page_size: the KV cache's block size (the kernel specializes on it).
+        max_blocks: the block table's width; None plans every length whole.
+
+    Returns:
+        A ``Schedule``: ``entries`` (one per segment in launch order: program, request, row
+        group, first key, end key, partial slot), ``programs_per_cu``, ``num_cus``,
+        ``num_slots``, ``slot_loads`` in its cost model, and the budget no slot exceeds.
+    """
+    from rocm_mla.kernels import schedule as sch
+    from rocm_mla.kernels.plan import plan_launch
+    from rocm_mla.kernels.target import triton_target
+
+    if isinstance(cache_seqlens, torch.Tensor):
+        lengths = [int(v) for v in cache_seqlens.tolist()]
+    else:
+        lengths = list(cache_seqlens)
+    if not lengths or any(isinstance(v, bool) or not isinstance(v, int) for v in lengths):
+        raise ValueError(
+            f"plan_schedule: cache_seqlens must be a non-empty list of ints, got {lengths!r}"
+        )
+    if q_dtype is None:
+        q_dtype = torch.bfloat16 if kv_dtype in FP8_DTYPES else kv_dtype
+    target = triton_target() if target is None else target
+    if target is None:
+        raise ValueError("plan_schedule: no Triton target on this machine; pass target=")
+    head_dim = head_dim_v + rope_dim
+    config, slots = plan_launch(
+        q_len=q_len,
+        num_heads=num_heads,
+        kv_dtype=kv_dtype,
+        target=target,
+        q_dtype=q_dtype,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        page_size=page_size,
+        cache_bytes=sum(max(v, 0) for v in lengths) * head_dim * kv_dtype.itemsize,
+    )
+    groups = -(-(q_len * num_heads) // config.block_h)
+    capacity = sch.MAX_KEYS if max_blocks is None else max_blocks * page_size
+    pieces = [sch._pieces(v, capacity) for v in lengths]
+    tables = sch.host_schedule(lengths, num_groups=groups, num_slots=slots, capacity_keys=capacity)
+    return sch.Schedule(
+        entries=sch.schedule_entries(tables),
+        num_cus=target.num_cus,
+        programs_per_cu=slots // target.num_cus,
+        num_slots=slots,
+        num_groups=groups,
+        block_h=config.block_h,
+        budget_keys=sch.search_budget(pieces, groups, slots),
     )
 
 

@@ -163,6 +163,8 @@ def _run_engine(args: argparse.Namespace) -> None:
         result["batched"] = _generate(llm, prompts, NEW_TOKENS)
     if args.short:
         result["short"] = _generate(llm, prompts[:1], args.short_tokens)
+    if args.mixed:
+        result["mixed"] = _generate(llm, prompts, TRITON_NEW_TOKENS)
     if args.spec_prompts:
         result["spec"] = _generate(llm, _spec_prompts(), NEW_TOKENS)
     Path(args.out).write_text(json.dumps(result))
@@ -176,6 +178,7 @@ def _main() -> None:
     parser.add_argument("--batched", action="store_true")
     parser.add_argument("--short", action="store_true")
     parser.add_argument("--short-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--mixed", action="store_true", help="all prompts, few tokens")
     parser.add_argument("--spec-prompts", action="store_true")
     parser.add_argument("--speculative", type=int, default=0, help="n-gram draft tokens k")
     _run_engine(parser.parse_args())
@@ -271,6 +274,17 @@ def _engine(
     return EngineRun(json.loads(out.read_text()), calls)
 
 
+def _schedule_facts(log_dir: Path) -> list[dict[str, int]]:
+    """The ``key=value`` schedule facts of every logged triton ``forward_mqa`` call."""
+    facts = []
+    for path in sorted(log_dir.glob("*.log")):
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if words[:2] == ["forward_mqa", "triton"]:
+                facts.append({k: int(v) for k, v in (w.split("=") for w in words if "=" in w)})
+    return facts
+
+
 def _read_calls(log_dir: Path) -> list[tuple[int, str, str, int, int | None]]:
     """(pid, event, what, rows or tokens, q_len of a forward_mqa else None) per logged call."""
     calls = []
@@ -302,7 +316,14 @@ def cpu_mla_reference(engine_model, tmp_path_factory) -> EngineRun:
         engine_model,
         "cpu_mla",
         backend=None,
-        flags=["--batched", "--short", "--short-tokens", str(TRITON_NEW_TOKENS), "--spec-prompts"],
+        flags=[
+            "--batched",
+            "--short",
+            "--short-tokens",
+            str(TRITON_NEW_TOKENS),
+            "--spec-prompts",
+            "--mixed",
+        ],
     )
     # vLLM's own backend ran: the impl logged nothing.
     assert run.calls == []
@@ -367,6 +388,28 @@ def test_triton_interpreter_backend_generates_like_cpu_mla(
     )
     assert sum(run.decode_calls("triton").values()) >= 2 * (TRITON_NEW_TOKENS - 1)
     _assert_same_generation(run.result["short"], cpu_mla_reference.result["short"], "triton")
+
+
+def test_triton_balanced_schedule_on_a_mixed_batch_generates_like_cpu_mla(
+    engine_model, cpu_mla_reference, tmp_path
+):
+    """One long prompt among short ones (5, 37, 120, 300 tokens), decoded together by the
+    Triton interpreter over 8 forced slots: the builder plans each step from the device
+    lengths, the long request is cut across slots and merged, and the tokens are CPU_MLA's."""
+    run = _engine(
+        tmp_path,
+        engine_model,
+        "triton_mixed",
+        backend="triton",
+        flags=["--mixed"],
+        env={"TRITON_INTERPRET": "1", "ROCM_MLA_TRITON_SLOTS": "8"},
+    )
+    facts = _schedule_facts(tmp_path / "triton_mixed" / "calls")
+    assert facts, "no triton forward_mqa call was logged"
+    assert all(f["slots"] == 8 for f in facts), facts
+    # The batched decode steps: the 300-token request (5 pieces of 64 keys among 9) is cut.
+    assert any(f["cut"] >= 1 and f["used"] >= 5 for f in facts), facts
+    _assert_same_generation(run.result["mixed"], cpu_mla_reference.result["mixed"], "triton")
 
 
 def test_tensor_parallel_workers_run_our_impl(engine_model, tmp_path):

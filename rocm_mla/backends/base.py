@@ -127,11 +127,26 @@ class MLADecodeImpl:
 
     @classmethod
     def plan_launch(
-        cls, spec: DecodeSpec, *, batch: int, max_seqlen: int, total_seqlen: int
+        cls,
+        spec: DecodeSpec,
+        *,
+        batch: int,
+        max_seqlen: int,
+        total_seqlen: int,
+        lengths: torch.Tensor | None = None,
+        bounds_only: bool = False,
+        capacity_keys: int | None = None,
     ) -> object:
-        """The backend's per-step launch decisions (``DecodePlan.launch``), from host-known
-        lengths only; None when the backend needs none."""
+        """The backend's per-step launch decisions (``DecodePlan.launch``); None when the
+        backend needs none. ``lengths`` (``[B]``, on the CPU or the plan's device, or None)
+        are the step's own lengths for a backend that schedules by them without reading a
+        device tensor back; ``capacity_keys`` the block table's capacity when known."""
         return None
+
+    @classmethod
+    def reschedule(cls, plan: DecodePlan, cache_seqlens: torch.Tensor) -> None:
+        """Re-plan ``plan``'s device data for this step's lengths in place (``replan_decode``);
+        nothing for a backend whose plan holds only host decisions."""
 
     @classmethod
     def make_plan(
@@ -143,8 +158,11 @@ class MLADecodeImpl:
         max_seqlen: int,
         total_seqlen: int,
         bounds_only: bool = False,
+        lengths: torch.Tensor | None = None,
+        capacity_keys: int | None = None,
     ) -> DecodePlan:
-        """A ``DecodePlan`` for this backend (the lengths are already known on the host)."""
+        """A ``DecodePlan`` for this backend (the length range already known on the host;
+        ``lengths`` and ``capacity_keys`` as ``plan_launch``)."""
         return DecodePlan(
             backend=cls.name,
             spec=spec,
@@ -154,7 +172,13 @@ class MLADecodeImpl:
             total_seqlen=total_seqlen,
             bounds_only=bounds_only,
             launch=cls.plan_launch(
-                spec, batch=batch, max_seqlen=max_seqlen, total_seqlen=total_seqlen
+                spec,
+                batch=batch,
+                max_seqlen=max_seqlen,
+                total_seqlen=total_seqlen,
+                lengths=lengths,
+                bounds_only=bounds_only,
+                capacity_keys=capacity_keys,
             ),
         )
 
@@ -164,7 +188,13 @@ class MLADecodeImpl:
         lens = problem.cache_seqlens
         lo, hi, total = (int(v) for v in torch.stack([lens.min(), lens.max(), lens.sum()]).tolist())
         return cls.make_plan(
-            problem.spec, batch=problem.batch, min_seqlen=lo, max_seqlen=hi, total_seqlen=total
+            problem.spec,
+            batch=problem.batch,
+            min_seqlen=lo,
+            max_seqlen=hi,
+            total_seqlen=total,
+            lengths=lens,
+            capacity_keys=problem.block_table.shape[1] * problem.kv_cache.shape[1],
         )
 
     # ---- compute ------------------------------------------------------------------------

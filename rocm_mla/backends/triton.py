@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,29 +66,90 @@ class _LazyCapabilities:
         return _capabilities()
 
 
+@dataclass
+class TritonLaunch:
+    """A Triton plan's launch data (``DecodePlan.launch``): the stage-1 config, the resident
+    slots it balances over, and the step's schedule tables on the plan's device
+    (``rocm_mla.kernels.schedule``; rewritten in place by ``reschedule``)."""
+
+    config: object  #: kernels.tuned_configs.LaunchConfig
+    num_slots: int
+    schedule: object  #: kernels.schedule.ScheduleTables
+    capacity_keys: int  #: the block-table capacity the schedule clamps lengths to
+
+    @property
+    def balanced(self) -> str:
+        """One phrase for logs: how the step is scheduled (no tensor is read)."""
+        used = self.schedule.used_slots
+        if used is None:
+            return f"balanced over {self.num_slots} slots"
+        return f"balanced: {used} of {self.num_slots} slots filled"
+
+
+def _schedule(
+    spec: DecodeSpec,
+    config,
+    num_slots: int,
+    batch: int,
+    lengths: torch.Tensor | None,
+    bounds_only: bool,
+    capacity_keys: int,
+):
+    """The schedule tables of a plan: built on the host from host lengths (with the exact
+    grid and partial count), on the device from device lengths (no host read)."""
+    from rocm_mla.kernels import schedule as sch
+
+    if lengths is None:
+        raise ValueError("triton: a plan needs the step's lengths (plan_decode passes them)")
+    num_groups = -(-(spec.q_len * spec.num_heads) // config.block_h)
+    if lengths.device.type == "cpu":
+        tables = sch.host_schedule(
+            [int(v) for v in lengths.tolist()],
+            num_groups=num_groups,
+            num_slots=num_slots,
+            capacity_keys=capacity_keys,
+            device=spec.device,
+        )
+        # A graph plan launches for any later lengths: with the capacities, not these counts.
+        return replace(tables, used_slots=None, num_partials=None) if bounds_only else tables
+    tables = sch.empty_tables(batch, num_groups, num_slots, spec.device)
+    sch.device_schedule(lengths.to(torch.int32), tables, capacity_keys=capacity_keys)
+    return tables
+
+
+#: Forces the slots every Triton plan balances over (as ``TritonMLAImpl(num_slots=)``): the
+#: interpreter has one, so engine tests under it set more to exercise the cut and the merge.
+SLOTS_ENV = "ROCM_MLA_TRITON_SLOTS"
+
+
+def _forced_slots() -> int | None:
+    text = os.environ.get(SLOTS_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{SLOTS_ENV} must be an int >= 1 when set, got {text!r}")
+    return int(text)
+
+
 class TritonMLAImpl(MLADecodeImpl):
-    """Split-KV Triton MLA decode.
+    """Balanced split-KV Triton MLA decode (``rocm_mla.kernels.schedule``).
 
     Args (beyond ``MLADecodeImpl``'s):
-        num_kv_splits: force the number of KV splits per request (>= 1); None chooses it
-            per call from the lengths and the compute-unit count
-            (``rocm_mla.kernels.plan.choose_num_kv_splits``).
+        num_slots: force the number of resident slots the schedule balances over (>= 1);
+            None takes the target's (compute units x the compiled kernel's programs per
+            CU). The interpreter has one: tests force more to exercise the merge.
     """
 
     name = "triton"
     capabilities = _LazyCapabilities()
 
-    def __init__(self, *args, num_kv_splits: int | None = None, **kwargs) -> None:
+    def __init__(self, *args, num_slots: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if num_kv_splits is not None and (
-            isinstance(num_kv_splits, bool)
-            or not isinstance(num_kv_splits, int)
-            or num_kv_splits < 1
+        if num_slots is not None and (
+            isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1
         ):
-            raise ValueError(
-                f"triton: num_kv_splits must be an int >= 1 or None, got {num_kv_splits!r}"
-            )
-        self.num_kv_splits = num_kv_splits
+            raise ValueError(f"triton: num_slots must be an int >= 1 or None, got {num_slots!r}")
+        self.num_slots = num_slots
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -112,30 +175,56 @@ class TritonMLAImpl(MLADecodeImpl):
 
     @classmethod
     def plan_launch(
-        cls, spec: DecodeSpec, *, batch: int, max_seqlen: int, total_seqlen: int
-    ) -> object:
-        """Stage-1 block shapes and split count (``kernels.plan.plan_launch``)."""
+        cls,
+        spec: DecodeSpec,
+        *,
+        batch: int,
+        max_seqlen: int,
+        total_seqlen: int,
+        lengths: torch.Tensor | None = None,
+        bounds_only: bool = False,
+        capacity_keys: int | None = None,
+    ) -> TritonLaunch:
+        """Stage-1 block shapes, slots (``kernels.plan.plan_launch``) and the step's
+        balanced schedule from ``lengths`` (module ``kernels.schedule``)."""
         from rocm_mla.kernels.plan import plan_launch
+        from rocm_mla.kernels.schedule import MAX_KEYS
 
-        return plan_launch(
-            batch=batch,
+        config, num_slots = plan_launch(
             q_len=spec.q_len,
             num_heads=spec.num_heads,
             kv_dtype=spec.kv_dtype,
-            max_len=max_seqlen,
-            total_len=total_seqlen,
             q_dtype=spec.q_dtype,
             head_dim=spec.head_dim,
             head_dim_v=spec.head_dim_v,
             page_size=spec.block_size,
+            cache_bytes=total_seqlen * spec.head_dim * spec.kv_dtype.itemsize,
         )
+        num_slots = _forced_slots() or num_slots
+        capacity = MAX_KEYS if capacity_keys is None else min(capacity_keys, MAX_KEYS)
+        schedule = _schedule(spec, config, num_slots, batch, lengths, bounds_only, capacity)
+        return TritonLaunch(config, num_slots, schedule, capacity)
+
+    @classmethod
+    def reschedule(cls, plan: DecodePlan, cache_seqlens: torch.Tensor) -> None:
+        """Rewrite ``plan``'s schedule in place on the device from this step's lengths (no
+        host read; the tables keep their addresses, so a captured graph replays them)."""
+        from rocm_mla.kernels.schedule import device_schedule
+
+        launch = plan.launch
+        device_schedule(
+            cache_seqlens.to(torch.int32), launch.schedule, capacity_keys=launch.capacity_keys
+        )
+        # The host's grid and partial counts no longer hold.
+        launch.schedule = replace(launch.schedule, used_slots=None, num_partials=None)
 
     def _decode(
         self, problem: DecodeProblem, plan: DecodePlan
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from rocm_mla.kernels import mla_decode
 
-        config, num_kv_splits = plan.launch
+        launch = plan.launch
+        forced = self.num_slots is not None and self.num_slots != launch.num_slots
         return mla_decode.mla_decode(
             problem.q,
             problem.kv_cache,
@@ -145,7 +234,8 @@ class TritonMLAImpl(MLADecodeImpl):
             softmax_scale=problem.softmax_scale,
             causal=problem.causal,
             kv_scale=problem.kv_scale,
-            num_kv_splits=num_kv_splits if self.num_kv_splits is None else self.num_kv_splits,
-            config=config,
+            config=launch.config,
+            schedule=None if forced else launch.schedule,
+            num_slots=self.num_slots,
             fault_flag=problem.fault_flag,
         )

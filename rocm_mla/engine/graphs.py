@@ -9,7 +9,9 @@ first ``B`` rows of its logits are the step's.
 What makes the step capturable (nothing in it reads a device value back to the host):
 
 - the MLA layers launch with one ``plan_decode(..., graph_max_seqlen=)`` plan per bucket,
-  valid for any lengths up to the engine's longest sequence;
+  valid for any lengths up to the engine's longest sequence; each step ``replan_decode``
+  rewrites the plan's balanced schedule (Triton) from the step's lengths, on the device and
+  outside the graph, so a replay is balanced by the lengths it runs;
 - the MoE takes its dense schedule while capturing (``MoE.routed``);
 - the layers branch on host lists (``ForwardMetadata.num_new``), never on tensors.
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rocm_mla.api import plan_decode
+from rocm_mla.api import plan_decode, replan_decode
 from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
 
 #: Batch-size buckets; the largest is replaced by ``max_num_seqs``.
@@ -192,6 +194,8 @@ class DecodeGraphs:
         s.positions[b:].zero_()
         s.seq_lens[:b].copy_(meta.seq_lens)
         s.seq_lens[b:].zero_()
+        # The bucket's schedule from this step's lengths, into the tables the graph reads.
+        replan_decode(s.decode_plan, s.seq_lens)
         s.slot_mapping[:b].copy_(meta.slot_mapping)
         s.slot_mapping[b:].fill_(self.trash_block * self.block_size)
         s.block_tables[:b, :width].copy_(meta.block_tables)

@@ -49,7 +49,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
-from rocm_mla.api import plan_decode
+from rocm_mla.api import plan_decode, replan_decode
 from rocm_mla.backends import (
     BACKEND_NAMES,
     MLADecodeImpl,
@@ -112,16 +112,23 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     """vLLM's MLA metadata with uniform multi-token decode rows (speculative verify), planned
     once per step with ``rocm_mla.plan_decode`` for every layer of the KV-cache group.
 
-    The plan comes from host values only: the length bound vLLM already holds on the host
-    (rank-local under DCP), checked here against the block table's capacity. Every rocm_mla
-    backend launches from a plan without reading a tensor, so ``forward_mqa`` can be captured
-    for uniform decode batches (as vLLM's TRITON_MLA). A plan made for graph capture is
-    bounded by ``max_model_len``: the captured launch then holds for every replayed step.
+    The launch comes from host values only: vLLM's host bound of the step (rank-local under
+    DCP; checked against the block table's capacity), or ``max_model_len`` under graph
+    capture. A Triton plan's balanced schedule is device data made from the step's real
+    lengths: one such plan per batch size is kept (bounded by ``max_model_len``, so its
+    buffers keep their addresses), and each step ``replan_decode`` runs the planner on
+    ``decode.seq_lens`` on the device (no host read), outside the graph, into them. Every rocm_mla
+    backend launches from a plan without reading a tensor, so ``forward_mqa`` can be
+    captured for uniform decode batches (as vLLM's TRITON_MLA), and a replayed step is
+    balanced by its own lengths.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
     _capturing: bool = False
+    #: One plan per (decode requests, q_len, causal): its schedule tables are the
+    #: persistent buffers a captured graph reads.
+    _plans: dict | None = None
 
     def build_for_cudagraph_capture(self, common_attn_metadata) -> MLACommonMetadata:
         self._capturing = True
@@ -159,11 +166,12 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         max_seq_len: int,
         causal: bool,
     ) -> DecodePlan:
-        """The step's decode plan from host-known sizes (no tensor value is read).
+        """The step's decode plan: the launch from host-known sizes, the schedule from
+        ``seq_lens`` on the device (no tensor value is read back).
 
         Args:
             block_table: ``[num_decodes, max_blocks]`` the decode rows' block table.
-            seq_lens: ``[num_decodes]`` their (rank-local) lengths; only the shape is used.
+            seq_lens: ``[num_decodes]`` int32, their (rank-local) lengths on the device.
             num_decode_tokens: query rows of the decode part, ``num_decodes * q_len``.
             max_seq_len: vLLM's host bound on any decode row's (rank-local) length.
             causal: whether decode rows are causal (False for non-causal draft windows).
@@ -175,23 +183,40 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
                 f"{batch} decode requests (uniform decode blocks only)"
             )
         capacity = block_table.shape[1] * self.page_size
-        if self._capturing:
-            bound = self.model_config.max_model_len
-        else:
-            bound = max_seq_len
-            if bound > capacity:
-                raise ValueError(
-                    f"{BACKEND_NAME}: decode length bound {bound} exceeds the block table's "
-                    f"capacity {block_table.shape[1]} blocks x {self.page_size} tokens = "
-                    f"{capacity}"
-                )
+        if not self._capturing and max_seq_len > capacity:
+            raise ValueError(
+                f"{BACKEND_NAME}: decode length bound {max_seq_len} exceeds the block table's "
+                f"capacity {block_table.shape[1]} blocks x {self.page_size} tokens = "
+                f"{capacity}"
+            )
+        q_len = num_decode_tokens // batch
+        if self._plans is None:
+            self._plans = {}
+        key = (batch, q_len, causal, seq_lens.device)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return replan_decode(plan, seq_lens.to(torch.int32))
+        max_model_len = self.model_config.max_model_len
+        plan = self._plan(
+            seq_lens, q_len, causal, max_model_len if self._capturing else max_seq_len
+        )
+        if plan.backend == "triton":
+            # Its schedule is device data: one plan per shape, bounded by max_model_len, so
+            # the buffers a captured graph reads are the ones every later step rewrites.
+            if plan.max_seqlen != max_model_len:
+                plan = self._plan(seq_lens, q_len, causal, max_model_len)
+            self._plans[key] = plan
+        _announce(plan)
+        return plan
+
+    def _plan(self, seq_lens: torch.Tensor, q_len: int, causal: bool, bound: int) -> DecodePlan:
         if is_quantized_kv_cache(self.vllm_config.cache_config.cache_dtype):
             kv_dtype = current_platform.fp8_dtype()
         else:
             kv_dtype = self.kv_cache_spec.dtype
-        plan = plan_decode(
-            seq_lens,
-            q_len=num_decode_tokens // batch,
+        return plan_decode(
+            seq_lens.to(torch.int32),
+            q_len=q_len,
             num_heads=self.num_heads * self.dcp_world_size,
             head_dim_v=self.mla_dims.kv_lora_rank,
             rope_dim=self.mla_dims.qk_rope_head_dim,
@@ -201,8 +226,6 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             device=seq_lens.device,
             graph_max_seqlen=bound,
         )
-        _announce(plan)
-        return plan
 
 
 #: (backend, heads, q_len, kv dtype) of every decode shape this process has logged.
@@ -217,6 +240,18 @@ def _announce(plan: DecodePlan) -> None:
     if key not in _ANNOUNCED:
         _ANNOUNCED.add(key)
         logger.info(describe_plan(plan))
+
+
+def _schedule_facts(plan: DecodePlan) -> list[str]:
+    """How the step's decode is scheduled, for the call log (tests only: it reads the
+    schedule's tables back, a host sync no logging-off step pays)."""
+    schedule = getattr(plan.launch, "schedule", None)
+    if schedule is None:
+        return []
+    bounds = schedule.slot_segments.tolist()
+    used = sum(1 for s in range(schedule.num_slots) if bounds[s + 1] > bounds[s])
+    cut = sum(1 for unit in schedule.split_units.tolist() if unit >= 0)
+    return [f"slots={schedule.num_slots}", f"used={used}", f"cut={cut}"]
 
 
 class RocmMLABackend(MLACommonBackend):
@@ -419,7 +454,7 @@ class _CallLog:
         directory = os.environ.get(CALL_LOG_ENV, "").strip()
         self.path = os.path.join(directory, f"{os.getpid()}.log") if directory else None
 
-    def __call__(self, event: str, what: str, *counts: int) -> None:
+    def __call__(self, event: str, what: str, *counts: int | str) -> None:
         if self.path is not None:
             with open(self.path, "a") as log:
                 log.write(" ".join([event, what, *map(str, counts)]) + "\n")
@@ -606,7 +641,8 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 "(ROCM_MLA_BACKEND changed between the layer and the builder)"
             )
         decoder.dcp_world_size, decoder.dcp_rank = self.dcp_world_size, self.dcp_rank
-        self._log("forward_mqa", decoder.name, rows, q_len)
+        if self._log.path is not None:
+            self._log("forward_mqa", decoder.name, rows, q_len, *_schedule_facts(plan))
         # Shapes only, no value read (ROCM_MLA_DEBUG=1 adds the value and finiteness
         # checks). Not decoder.forward: under DCP the gathered head count is vLLM's to set.
         problem = prepare_decode(

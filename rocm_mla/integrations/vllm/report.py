@@ -79,15 +79,16 @@ def startup_refusal(
 
 def describe_launch(plan: DecodePlan) -> str:
     """The backend, its target and launch parameters, e.g. ``triton (sm90, BLOCK_H 64,
-    BLOCK_N 32, 4 warps, 8 KV splits, fp8 dots)``."""
+    BLOCK_N 32, 4 warps, balanced over 264 slots, fp8 dots)``."""
     facts = [backend_class(plan.backend).target() or str(plan.spec.device)]
     if plan.backend == "triton":
-        config, num_kv_splits = plan.launch
+        launch = plan.launch
+        config = launch.config
         facts += [
             f"BLOCK_H {config.block_h}",
             f"BLOCK_N {config.block_n}",
             f"{config.num_warps} warps",
-            f"{num_kv_splits} KV split{'s' if num_kv_splits > 1 else ''}",
+            launch.balanced,
         ]
         if plan.spec.kv_dtype in FP8_DTYPES:
             dots = [what for what, on in (("Q.K", config.fp8_qk), ("P.V", config.fp8_pv)) if on]

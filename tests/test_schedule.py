@@ -1,0 +1,138 @@
+"""The balanced schedule (kernels/schedule.py): its invariants, and the device planner (run
+under the Triton interpreter) writing exactly the host planner's tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from rocm_mla.kernels import schedule as sch  # noqa: E402
+
+BIG = 1 << 30
+
+#: The bench's mixes, shrunk: lengths that cross pieces, pages and slots.
+MIXES = {
+    "uniform": [4096] * 4,
+    "one long, many short": [8192] + [256] * 7,
+    "zeros": [0, 0, 640, 0, 100, 0, 2048, 0],
+    "one request": [3000],
+    "lengths 0 and 1": [0, 1],
+    "boundaries": [63, 64, 65, 127, 128, 129],
+}
+
+
+def _segments(tables: sch.ScheduleTables) -> list[tuple[int, int, int, int, int]]:
+    """(slot, unit, first key, end key, partial) in launch order."""
+    bounds = tables.slot_segments.tolist()
+    rows = tables.segments.tolist()
+    return [(s, *rows[i]) for s in range(tables.num_slots) for i in range(bounds[s], bounds[s + 1])]
+
+
+def _check_invariants(lengths, groups, slots, capacity):
+    tables = sch.host_schedule(lengths, num_groups=groups, num_slots=slots, capacity_keys=capacity)
+    pieces = [sch._pieces(n, capacity) for n in lengths]
+    segs = _segments(tables)
+    budget = sch.search_budget(pieces, groups, slots)
+    # Every slot within the budget; the budget at or above the tile-granular lower bound.
+    load = [0] * slots
+    for s, _, first, end, _ in segs:
+        load[s] += end - first + sch.OVERHEAD_KEYS
+    assert max(load) <= budget
+    total = groups * sum(pieces)
+    assert budget >= sch.OVERHEAD_KEYS + sch.PIECE_KEYS * max(1, -(-total // slots))
+    # Every unit's pieces covered once, in order, by consecutive segments.
+    by_unit: dict[int, list[tuple[int, int, int]]] = {}
+    for _, unit, first, end, part in segs:
+        by_unit.setdefault(unit, []).append((first, end, part))
+    assert sorted(by_unit) == list(range(len(lengths) * groups))
+    parts = tables.unit_parts.tolist()
+    split = [u for u in tables.split_units.tolist() if u >= 0]
+    used_parts = []
+    for unit, ranges in by_unit.items():
+        n = pieces[unit // groups]
+        keys = [k for first, end, _ in ranges for k in range(first, end)]
+        assert keys == list(range(n * sch.PIECE_KEYS))
+        if len(ranges) == 1:
+            assert ranges[0][2] == -1 and parts[unit] == [-1, 1]
+            assert unit not in split
+        else:
+            first_part, count = parts[unit]
+            assert count == len(ranges) and [p for *_, p in ranges] == list(
+                range(first_part, first_part + count)
+            )
+            assert unit in split
+            used_parts += [p for *_, p in ranges]
+    assert sorted(used_parts) == list(range(len(used_parts)))
+    assert len(used_parts) <= sch.partial_capacity(slots)
+    assert len(segs) <= sch.segment_capacity(len(lengths) * groups, slots)
+    assert split == sorted(split) and len(split) <= max(0, slots - 1)
+    return tables
+
+
+def _device(lengths, groups, slots, capacity) -> sch.ScheduleTables:
+    tables = sch.empty_tables(len(lengths), groups, slots, "cpu")
+    # Garbage in, to show every read entry is rewritten.
+    for t in (tables.slot_segments, tables.segments, tables.unit_parts, tables.split_units):
+        t.fill_(-7)
+    sch.device_schedule(torch.tensor(lengths, dtype=torch.int32), tables, capacity_keys=capacity)
+    return tables
+
+
+def _assert_same(host: sch.ScheduleTables, device: sch.ScheduleTables) -> None:
+    assert torch.equal(host.slot_segments, device.slot_segments)
+    used = int(host.slot_segments[-1])
+    assert torch.equal(host.segments[:used], device.segments[:used])
+    assert torch.equal(host.unit_parts, device.unit_parts)
+    assert torch.equal(host.split_units, device.split_units)
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize(("groups", "slots"), [(1, 8), (2, 5), (3, 16)])
+def test_device_planner_equals_host(mix, groups, slots):
+    lengths = MIXES[mix]
+    host = _check_invariants(lengths, groups, slots, BIG)
+    _assert_same(host, _device(lengths, groups, slots, BIG))
+
+
+def test_long_request_is_cut_across_slots_and_short_ones_share():
+    tables = _check_invariants([8192] + [256] * 7, 1, 8, BIG)
+    segs = _segments(tables)
+    long_slots = {s for s, unit, *_ in segs if unit == 0}
+    assert len(long_slots) >= 5  # 128 pieces of 151 in all, over 8 slots
+    # Each slot boundary cuts at most one unit.
+    assert sum(u >= 0 for u in tables.split_units.tolist()) <= 8 - 1
+
+
+def test_capacity_clamps_what_is_planned():
+    """Keys past the block table's capacity are never planned (stage 1 reads none)."""
+    tables = _check_invariants([100_000, 10], 1, 4, 640)
+    keys = {unit: end for _, unit, _, end, _ in _segments(tables)}
+    assert keys[0] == 640
+
+
+def test_one_slot_takes_everything_unsplit():
+    tables = _check_invariants([5000, 0, 70], 2, 1, BIG)
+    assert tables.split_units.tolist() == [-1]
+    assert all(part == -1 for *_, part in _segments(tables))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(
+        st.one_of(st.integers(0, 200), st.integers(0, 5000), st.sampled_from([63, 64, 65])),
+        min_size=1,
+        max_size=6,
+    ),
+    groups=st.integers(1, 3),
+    slots=st.integers(1, 12),
+    capacity=st.sampled_from([BIG, 256, 1000]),
+)
+@example(lengths=[0], groups=1, slots=1, capacity=BIG)
+@example(lengths=[5000, 5000], groups=3, slots=12, capacity=BIG)
+def test_fuzz_host_invariants_and_device_equality(lengths, groups, slots, capacity):
+    host = _check_invariants(lengths, groups, slots, capacity)
+    _assert_same(host, _device(lengths, groups, slots, capacity))
