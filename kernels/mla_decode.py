@@ -1,4 +1,4 @@
-"""Split-KV absorbed-MLA decode in Triton: the host launcher ``mla_decode``.
+"""Balanced split-KV absorbed-MLA decode in Triton: the host launcher ``mla_decode``.
 
 The code is split by what it is, imports running one way (each file imports only from those
 before it):
@@ -8,13 +8,13 @@ before it):
 - ``mla_decode_args.py``: what stage 1 is called with (tuned config, row groups, dot dtypes,
   q, partials, the launch's arguments);
 - ``occupancy.py``: ``programs_per_cu``, the only code touching Triton's compiler internals;
-- ``plan.py``: the split count and config of a step (``plan_launch``);
-- (``schedule.py``'s slot, between ``plan.py`` and this file);
+- ``plan.py``: the config and resident slots of a decode shape (``plan_launch``);
+- ``schedule.py``: the balanced schedule (which slot walks which keys), host and device;
 - ``mla_decode.py`` (this file): ``mla_decode``, and the public names re-exported.
 
 ``tests/test_layering.py`` (``KERNEL_ORDER``) checks the order.
 
-Stage 2, the LSE merge of the splits, is ``merge_states.py``.
+Stage 2, the LSE merge of the cut units' partials, is ``merge_states.py``.
 """
 
 from __future__ import annotations

@@ -204,6 +204,52 @@ def host_schedule(
     )
 
 
+def uniform_schedule(
+    lengths: Sequence[int],
+    *,
+    num_groups: int,
+    splits: int,
+    capacity_keys: int,
+    device: torch.device | str = "cpu",
+) -> ScheduleTables:
+    """The uniform split of earlier releases as tables for the same kernel: every request
+    cut into ``splits`` piece-aligned chunks of ``ceil(L / splits)`` keys, one program each
+    (program id: row group fastest, then split, then request), so a GPU run can time it
+    beside the balanced schedule (``plan.choose_num_kv_splits`` chose ``splits``)."""
+    batch = len(lengths)
+    units = batch * num_groups
+    slots = units * splits
+    segments = []
+    unit_parts = [(-1, 1)] * units
+    split_units = []
+    for b, length in enumerate(lengths):
+        n = _pieces(int(length), capacity_keys)
+        chunk = -(-n // splits)
+        for s in range(splits):
+            for g in range(num_groups):
+                unit = b * num_groups + g
+                first, end = min(s * chunk, n), min((s + 1) * chunk, n)
+                part = unit * splits + s if splits > 1 else -1
+                segments.append((unit, first * PIECE_KEYS, end * PIECE_KEYS, part))
+    if splits > 1:
+        unit_parts = [(u * splits, splits) for u in range(units)]
+        split_units = list(range(units))
+    seg_table = torch.zeros(segment_capacity(units, slots), 4, dtype=torch.int32)
+    seg_table[:slots] = torch.tensor(segments, dtype=torch.int32).view(-1, 4)
+    return ScheduleTables(
+        slot_segments=torch.arange(slots + 1, dtype=torch.int32, device=device),
+        segments=seg_table.to(device),
+        unit_parts=torch.tensor(unit_parts, dtype=torch.int32, device=device).view(units, 2),
+        split_units=torch.tensor(
+            split_units + [-1] * (slots - len(split_units)), dtype=torch.int32, device=device
+        ),
+        num_slots=slots,
+        num_groups=num_groups,
+        used_slots=slots,
+        num_partials=units * splits if splits > 1 else 0,
+    )
+
+
 @triton.jit
 def _pieces_of(seqlens_ptr, b, capacity_keys, PIECE: tl.constexpr):
     length = tl.load(seqlens_ptr + b).to(tl.int64)

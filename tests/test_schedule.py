@@ -136,3 +136,20 @@ def test_one_slot_takes_everything_unsplit():
 def test_fuzz_host_invariants_and_device_equality(lengths, groups, slots, capacity):
     host = _check_invariants(lengths, groups, slots, capacity)
     _assert_same(host, _device(lengths, groups, slots, capacity))
+
+
+def test_uniform_schedule_is_the_old_split():
+    """The old planner's split as tables: every request in `splits` chunks, one program each."""
+    tables = sch.uniform_schedule([300, 0, 64], num_groups=2, splits=3, capacity_keys=BIG)
+    segs = _segments(tables)
+    assert tables.num_slots == 3 * 2 * 3 and len(segs) == 18
+    # Program order: group fastest, then split, then request.
+    assert [(unit, first, end) for _, unit, first, end, _ in segs[:6]] == [
+        (0, 0, 128),
+        (1, 0, 128),
+        (0, 128, 256),
+        (1, 128, 256),
+        (0, 256, 320),
+        (1, 256, 320),
+    ]
+    assert tables.unit_parts.tolist()[1] == [3, 3]
