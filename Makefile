@@ -5,6 +5,7 @@
 #   make lint        ruff + hadolint (Dockerfile) + shellcheck (*.sh) + actionlint (workflows)
 #   make bench       CPU decode + kernel roofline benchmarks (JSON + PNG under benchmarks/results/)
 #   make bench-dcp   DCP 2 vs DCP 1 decode step speedup (two processes)
+#   make bench-schedule  no GPU: decode schedule makespan vs lower bounds (JSON + PNG + markdown)
 #   make bench-gpu   one GPU: call overhead, graph replay, engine vs transformers (JSON + PNG)
 #
 # TORCH is the torch spec installed into a *new* venv. Where the system python already has
@@ -18,7 +19,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rocm-mla-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-vllm lint bench bench-dcp bench-static bench-gpu format clean
+.PHONY: demo test test-vllm lint bench bench-dcp bench-static bench-schedule bench-gpu format clean
 
 $(STAMP): pyproject.toml
 	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if (torch.version.hip or torch.version.cuda) else 1)" 2>/dev/null; then \
@@ -80,6 +81,12 @@ bench-dcp: $(STAMP)
 bench-static: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib
 	$(PY) -m benchmarks.kernel_static
+
+# No GPU: the decode schedule's makespan (balanced vs the old uniform split vs FlashMLA's
+# scheduler) against lower bounds, in one cost model, for sm90/gfx942/gfx950. Minutes.
+bench-schedule: $(STAMP)
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib
+	$(PY) -m benchmarks.schedule
 
 # One GPU: call overhead (kernel-only vs planned vs one-shot), graph replay vs eager, and the
 # engine vs transformers on the GPU (bf16, fp32, 16K prefill). Under 8 minutes.

@@ -304,6 +304,7 @@ BENCHMARKS = {
     "e2e": "benchmarks.e2e",
     "gpu": "benchmarks.gpu",
     "static": "benchmarks.kernel_static",
+    "schedule": "benchmarks.schedule",
 }
 
 
