@@ -129,6 +129,35 @@ def test_builder_plans_the_step_from_host_values(monkeypatch):
     assert _build(builder, block_table, seq_lens, 64, num_decode_tokens=6).max_seqlen == 1024
 
 
+def test_triton_builder_replans_its_kept_plan_from_the_device_lengths(monkeypatch):
+    """A Triton plan's schedule is device data: the builder keeps one plan per batch size
+    (bounded by max_model_len, for any step a graph replays) and rewrites its tables in
+    place from each step's real lengths, not from a bound."""
+    from rocm_mla.kernels.schedule import host_schedule
+
+    monkeypatch.setenv("ROCM_MLA_BACKEND", "triton")
+    monkeypatch.setenv("ROCM_MLA_TRITON_SLOTS", "6")
+    builder = _bare_builder()
+    block_table = torch.zeros(3, 40, dtype=torch.int32)
+    first = _build(builder, block_table, torch.tensor([600, 5, 17], dtype=torch.int32), 600, 3)
+    tables = first.launch.schedule
+    pointers = [t.data_ptr() for t in (tables.slot_segments, tables.segments, tables.unit_parts)]
+    assert (first.backend, first.max_seqlen, first.launch.num_slots) == ("triton", 1024, 6)
+    second = _build(builder, block_table, torch.tensor([5, 17, 600], dtype=torch.int32), 600, 3)
+    assert second is first
+    tables = second.launch.schedule
+    assert [t.data_ptr() for t in (tables.slot_segments, tables.segments, tables.unit_parts)] == (
+        pointers
+    )
+    expected = host_schedule([5, 17, 600], num_groups=1, num_slots=6, capacity_keys=640)
+    used = int(expected.slot_segments[-1])
+    assert torch.equal(tables.slot_segments, expected.slot_segments)
+    assert torch.equal(tables.segments[:used], expected.segments[:used])
+    assert torch.equal(tables.unit_parts, expected.unit_parts)
+    # The 600-key request (10 pieces among 12) is cut across slots.
+    assert expected.unit_parts[2, 1] > 1
+
+
 def test_builder_rejects_lengths_past_the_block_table(monkeypatch):
     monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
     block_table = torch.zeros(2, 4, dtype=torch.int32)
