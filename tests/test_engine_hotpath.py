@@ -178,3 +178,33 @@ def test_gpu_graph_replay_equals_eager(k3):
         replayed = llm.generate(PROMPTS, 8)
         assert llm._local.graphs is not None and llm._local.graphs.buckets
     assert replayed == eager
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter runs on CPU tensors")
+def test_triton_graph_bucket_replays_two_mixes_balanced(k3, monkeypatch):
+    """One bucket (4 rows) replays two different length mixes, each balanced by its own
+    lengths: replan_decode rewrites the bucket plan's schedule before every replay (stale
+    tables would walk the capture's empty lengths and give wrong tokens)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("ROCM_MLA_TRITON_SLOTS", "4")
+    long_mix = [[7 + i % 50 for i in range(150)], [3, 1], [9, 9, 9]]
+    short_mix = [[5, 17, 33, 2], [100, 4, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]]
+    eager = _worker(k3, backend="triton")
+    expected = [eager.generate(long_mix, 3), eager.generate(short_mix, 3)]
+    worker = _worker(k3, backend="triton")
+    graphs = _with_cpu_graphs(worker)
+    plans = []
+    real_load = graphs._load
+
+    def load(bucket, meta, input_ids):
+        real_load(bucket, meta, input_ids)
+        schedule = bucket.meta.decode_plan.launch.schedule
+        plans.append((bucket.meta.decode_plan, int((schedule.split_units >= 0).sum())))
+
+    graphs._load = load
+    assert [worker.generate(long_mix, 3), worker.generate(short_mix, 3)] == expected
+    assert sorted(graphs.buckets) == [2, 4]
+    bucket_plan = graphs.buckets[4].meta.decode_plan
+    assert bucket_plan.launch.num_slots == 4 and bucket_plan.bounds_only
+    # The 150-token request of the first mix (3 pieces of 64 keys among 5) is cut.
+    assert max(cut for plan, cut in plans if plan is bucket_plan) >= 1
