@@ -42,6 +42,7 @@ if [ -n "${GPU_CHECK_SKIP_E2E:-}" ]; then
 fi
 run bench-gpu "$PYTHON" -m benchmarks.gpu "${e2e_flags[@]}"
 run kernel-roofline "$PYTHON" -m benchmarks.kernel_roofline --gpu
+run schedule-gpu "$PYTHON" -m benchmarks.schedule_gpu
 run pytest-gpu "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider --junitxml "$OUT/pytest-gpu.xml"
 run pytest-all "$PYTHON" -m pytest -q -m "not vllm and not rocm" -p no:cacheprovider \
     --junitxml "$OUT/pytest-all.xml"
