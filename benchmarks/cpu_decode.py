@@ -8,17 +8,26 @@ write too and is twice this). On a 2-core CPU this decode is compute-bound, not 
 each 576-wide latent row costs 2 * H * (576 + 512) FLOPs, i.e. 15 FLOP/B in fp32 and 30 FLOP/B
 in bf16 at H = 16. So the run also measures the GEMM throughput of the same shapes and reports
 the compute-roofline bound on the efficiency next to the achieved one.
+
+Mixed batch: one long request among short ones (1 x 32K + 7 x 1K keys, same heads), the
+kernel timed at 1 and at 2 threads with long rows cut into key chunks (its default) and with
+no row cut (``_chunk_keys=0``). Reported: the 2-thread / 1-thread speedup of each (medians of
+interleaved rounds); with chunks the threads finish together, so it should be near the thread
+count, without them the thread with the long request runs alone at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
+import time
 
 import torch
 
 from benchmarks import common
 from rocm_mla import mla_decode
+from rocm_mla.kernels import cpu_decode
 
 
 def make_inputs(batch: int, heads: int, context: int, block_size: int, dtype: torch.dtype):
@@ -30,6 +39,92 @@ def make_inputs(batch: int, heads: int, context: int, block_size: int, dtype: to
     q = torch.randn(batch, 1, heads, 576, generator=gen).to(dtype)
     lens = torch.full((batch,), context, dtype=torch.int32)
     return q, kv, block_table.to(torch.int32).contiguous(), lens
+
+
+def make_mixed_inputs(lengths: list[int], heads: int, block_size: int, dtype: torch.dtype):
+    """q [B, 1, H, 576], a paged cache holding exactly the requests' blocks (shuffled)."""
+    gen = torch.Generator().manual_seed(2)
+    blocks = [-(-n // block_size) for n in lengths]
+    kv = torch.randn(sum(blocks), block_size, 576, generator=gen).to(dtype)
+    perm = torch.randperm(sum(blocks), generator=gen).to(torch.int32)
+    block_table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(blocks):
+        block_table[b, :n] = perm[start : start + n]
+        start += n
+    q = torch.randn(len(lengths), 1, heads, 576, generator=gen).to(dtype)
+    return q, kv, block_table, torch.tensor(lengths, dtype=torch.int32)
+
+
+def run_mixed(args: argparse.Namespace) -> dict:
+    """Times of the mixed batch at 1 and 2 threads, key chunks on and off. Rounds interleave
+    the four settings so that a change in the machine's load hits them all alike."""
+    lengths = [args.mixed_long] + [args.mixed_short] * args.mixed_count
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    modes = {"chunked": None, "unchunked": 0}
+    threads_before = torch.get_num_threads()
+    rows = []
+    try:
+        for name in args.dtypes:
+            q, kv, bt, lens = make_mixed_inputs(lengths, args.heads, args.block_size, dtypes[name])
+
+            def call(chunk, q=q, kv=kv, bt=bt, lens=lens):
+                return cpu_decode._decode(
+                    q,
+                    kv,
+                    bt,
+                    lens,
+                    head_dim_v=512,
+                    softmax_scale=576**-0.5,
+                    causal=True,
+                    kv_scale=None,
+                    max_seqlen=None,
+                    fault_flag=None,
+                    chunk_keys=chunk,
+                )
+
+            times = {(t, m): [] for t in (1, 2) for m in modes}
+            chunk_keys = {}
+            for t in (1, 2):  # warm up both thread counts, and record the chunk each one uses
+                torch.set_num_threads(t)
+                for m, chunk in modes.items():
+                    chunk_keys[(t, m)] = call(chunk)[2]
+            for r in range(args.mixed_rounds):
+                common.progress(r, args.mixed_rounds, f"{name} mixed batch")
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    for m, chunk in modes.items():
+                        start = time.perf_counter()
+                        call(chunk)
+                        times[(t, m)].append(time.perf_counter() - start)
+            torch.set_num_threads(threads_before)
+            for m in modes:
+                t1 = statistics.median(times[(1, m)])
+                t2 = statistics.median(times[(2, m)])
+                rows.append(
+                    {
+                        "dtype": name,
+                        "mode": m,
+                        "chunk_keys_1_thread": chunk_keys[(1, m)],
+                        "chunk_keys_2_threads": chunk_keys[(2, m)],
+                        "time_1_thread_s": t1,
+                        "time_2_threads_s": t2,
+                        "speedup_2_over_1": t1 / t2,
+                        "times_1_thread_s": times[(1, m)],
+                        "times_2_threads_s": times[(2, m)],
+                    }
+                )
+    finally:
+        torch.set_num_threads(threads_before)
+    return {
+        "lengths": lengths,
+        "heads": args.heads,
+        "block_size": args.block_size,
+        "head_dim": 576,
+        "head_dim_v": 512,
+        "rounds": args.mixed_rounds,
+        "results": rows,
+    }
 
 
 def gemm_flops_per_second(heads: int, repeats: int = 9) -> float:
@@ -102,6 +197,7 @@ def run(args: argparse.Namespace) -> dict:
         "copy_bandwidth_definition": "source bytes copied per second (STREAM Copy / 2)",
         "environment": common.environment(),
         "results": rows,
+        "mixed": run_mixed(args) if args.mixed_rounds > 0 else None,
     }
 
 
@@ -114,7 +210,11 @@ def plot(payload: dict, path) -> None:
     rows = payload["results"]
     names = [r["dtype"] for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(6, 4))
+    mixed = payload.get("mixed")
+    if mixed:
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    else:
+        fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar([i - 0.2 for i in x], [r["efficiency"] for r in rows], 0.4, label="achieved")
     ax.bar(
         [i + 0.2 for i in x],
@@ -128,6 +228,22 @@ def plot(payload: dict, path) -> None:
     s = payload["shape"]
     ax.set_title(f"torch MLA decode, B={s['batch']} H={s['heads']} ctx={s['context']}")
     ax.legend()
+    if mixed:
+        speedup = {(r["dtype"], r["mode"]): r["speedup_2_over_1"] for r in mixed["results"]}
+        dts = [d for d in names if (d, "chunked") in speedup]
+        for k, (mode, off) in enumerate((("chunked", -0.2), ("unchunked", 0.2))):
+            xs = [i + off for i in range(len(dts))]
+            bx.bar(xs, [speedup[(d, mode)] for d in dts], 0.4, label=mode, color=f"C{k + 2}")
+        bx.axhline(2.0, color="gray", ls="--", lw=1, label="2 threads ideal")
+        bx.set_xticks(list(range(len(dts))), dts)
+        bx.set_ylabel("time 1 thread / time 2 threads")
+        bx.set_ylim(0, 2.5)
+        n_short = len(mixed["lengths"]) - 1
+        bx.set_title(
+            f"mixed batch 1 x {mixed['lengths'][0]} + {n_short} x {mixed['lengths'][1]} keys, "
+            f"H={mixed['heads']}"
+        )
+        bx.legend(loc="upper right", ncols=3, fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -141,6 +257,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--mixed-long", type=int, default=32768)
+    parser.add_argument("--mixed-short", type=int, default=1024)
+    parser.add_argument("--mixed-count", type=int, default=7, help="short requests")
+    parser.add_argument("--mixed-rounds", type=int, default=11, help="0: skip the mixed batch")
     parser.add_argument("--out", default=None, help="results directory")
     args = parser.parse_args(argv)
     payload = run(args)
@@ -154,6 +274,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['gflop_per_s']:.0f} GFLOP/s = "
             f"{r['fraction_of_compute_roofline']:.0%} of the GEMM rate)"
         )
+    if payload["mixed"]:
+        for r in payload["mixed"]["results"]:
+            print(
+                f"mixed {r['dtype']} {r['mode']}: 1 thread {r['time_1_thread_s'] * 1e3:.1f} ms, "
+                f"2 threads {r['time_2_threads_s'] * 1e3:.1f} ms -> "
+                f"{r['speedup_2_over_1']:.2f}x (chunk at 2 threads: {r['chunk_keys_2_threads']})"
+            )
     print(f"wrote {path} and {path.with_suffix('.png').name}")
     if any(math.isnan(r["efficiency"]) for r in payload["results"]):
         raise SystemExit("benchmark produced NaN")

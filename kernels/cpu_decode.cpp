@@ -1,12 +1,15 @@
 // Fused paged MLA decode for the CPU: one pass over each request's keys, every KV row
-// converted to fp32 once per chunk and used by all heads of a task (scores, then the V
-// accumulate) with an online softmax. Bounds and non-finite rules: see cpu_decode.py.
+// converted to fp32 once (kStep keys a step) and used by all heads of a task (scores, then
+// the V accumulate) with an online softmax. A long row's keys are cut into key chunks run as
+// separate tasks and merged by their log-sum-exps after the parallel loop. How tasks are
+// cut, and the bounds and non-finite rules: see cpu_decode.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -17,7 +20,7 @@ namespace {
 
 // Keys converted per step: 8 rows of fp32 (18 KiB at 576 wide) stay in L1 next to the
 // accumulators.
-constexpr int64_t kChunk = 8;
+constexpr int64_t kStep = 8;
 
 constexpr int32_t kFaultBlockId = 1;
 constexpr int32_t kFaultBeyondTable = 2;
@@ -74,53 +77,53 @@ inline bool all_finite(const float* a, int64_t n) {
   return s == 0.f;
 }
 
-// scores[i * kChunk + j] = q_i . k_j for NH heads (rows of q, dim apart) and the kChunk rows
-// of one chunk: each load of q or of a key feeds several FMAs.
+// scores[i * kStep + j] = q_i . k_j for NH heads (rows of q, dim apart) and the kStep rows
+// of one step: each load of q or of a key feeds several FMAs.
 template <int NH>
-inline void chunk_scores(const float* q, const float* const* rows, int64_t dim, float* scores) {
-  const float* k[kChunk];
-  for (int64_t j = 0; j < kChunk; ++j) k[j] = rows[j];
-  Vec part[NH][kChunk] = {};
+inline void step_scores(const float* q, const float* const* rows, int64_t dim, float* scores) {
+  const float* k[kStep];
+  for (int64_t j = 0; j < kStep; ++j) k[j] = rows[j];
+  Vec part[NH][kStep] = {};
   int64_t d = 0;
   for (; d + kLanes <= dim; d += kLanes) {
 #pragma GCC unroll 8
-    for (int64_t j = 0; j < kChunk; ++j) {
+    for (int64_t j = 0; j < kStep; ++j) {
       const Vec kv = load(k[j] + d);
 #pragma GCC unroll 2
       for (int i = 0; i < NH; ++i) part[i][j] += load(q + i * dim + d) * kv;
     }
   }
   for (int i = 0; i < NH; ++i)
-    for (int64_t j = 0; j < kChunk; ++j) {
+    for (int64_t j = 0; j < kStep; ++j) {
       float s = hsum(part[i][j]);
       for (int64_t e = d; e < dim; ++e) s += q[i * dim + e] * k[j][e];
-      scores[i * kChunk + j] = s;
+      scores[i * kStep + j] = s;
     }
 }
 
-// o_i = o_i * rescale_i + sum_j p[i * kChunk + j] v_j for NH accumulator rows (dv apart), one
+// o_i = o_i * rescale_i + sum_j p[i * kStep + j] v_j for NH accumulator rows (dv apart), one
 // pass over them.
 template <int NH>
-inline void chunk_accumulate(float* o, const float* rescale, const float* p,
-                             const float* const* rows, int64_t dv) {
-  const float* v[kChunk];
-  for (int64_t j = 0; j < kChunk; ++j) v[j] = rows[j];
+inline void step_accumulate(float* o, const float* rescale, const float* p,
+                            const float* const* rows, int64_t dv) {
+  const float* v[kStep];
+  for (int64_t j = 0; j < kStep; ++j) v[j] = rows[j];
   int64_t d = 0;
   for (; d + kLanes <= dv; d += kLanes) {
     Vec acc[NH];
     for (int i = 0; i < NH; ++i) acc[i] = load(o + i * dv + d) * rescale[i];
 #pragma GCC unroll 8
-    for (int64_t j = 0; j < kChunk; ++j) {
+    for (int64_t j = 0; j < kStep; ++j) {
       const Vec vv = load(v[j] + d);
 #pragma GCC unroll 2
-      for (int i = 0; i < NH; ++i) acc[i] += p[i * kChunk + j] * vv;
+      for (int i = 0; i < NH; ++i) acc[i] += p[i * kStep + j] * vv;
     }
     for (int i = 0; i < NH; ++i) store(o + i * dv + d, acc[i]);
   }
   for (; d < dv; ++d)
     for (int i = 0; i < NH; ++i) {
       float acc = o[i * dv + d] * rescale[i];
-      for (int64_t j = 0; j < kChunk; ++j) acc += p[i * kChunk + j] * v[j][d];
+      for (int64_t j = 0; j < kStep; ++j) acc += p[i * kStep + j] * v[j][d];
       o[i * dv + d] = acc;
     }
 }
@@ -141,27 +144,51 @@ struct Args {
   float v_scale;
 };
 
+// Keys query row `row` (b * q_len + s) sees; <= 0: none.
+inline int64_t visible_keys(const Args& a, int64_t row) {
+  const int64_t len = a.lens[row / a.q_len];
+  return a.causal ? len - (a.q_len - 1) + row % a.q_len : len;
+}
+
+// Keys [k0, k1) of one query row for heads [h0, h0 + group). slot < 0: the row's only task,
+// which writes out and lse; else the index of its partial (unnormalized sums, max, denominator
+// and a poisoned flag), merged with the row's other chunks after the parallel loop.
+struct Task {
+  int64_t row, h0, k0, k1, slot, size;  // size: the keys it reads, for the order
+};
+
+// A row (and head group) cut into `chunks` tasks, whose partials are slots [slot, slot + chunks).
+struct Split {
+  int64_t row, h0, slot, chunks;
+};
+
+struct Partials {
+  float* acc;  // [slots, group, dv]: sum_j exp(s_j - m) v_j
+  float* m;  // [slots, group]: max score
+  float* l;  // [slots, group]: sum_j exp(s_j - m)
+  uint8_t* bad;  // [slots]: the chunk was poisoned (its other fields are then garbage)
+};
+
 template <typename T>
-void run_task(const Args& a, const T* kv, int64_t task, std::vector<float>& kbuf,
-              std::vector<float>& acc, std::vector<float>& scores, const std::vector<float>& zeros) {
-  const int64_t groups = (a.heads + a.group - 1) / a.group;
-  const int64_t row = task / groups;  // b * q_len + s
-  const int64_t h0 = (task % groups) * a.group;
+void run_task(const Args& a, const T* kv, const Task& task, const Partials& parts,
+              std::vector<float>& kbuf, std::vector<float>& acc_buf, std::vector<float>& scores,
+              const std::vector<float>& zeros) {
+  const int64_t row = task.row, h0 = task.h0;
   const int64_t g = std::min(a.group, a.heads - h0);
-  const int64_t b = row / a.q_len, s = row % a.q_len;
+  const int64_t b = row / a.q_len;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
   float* out = a.out + (row * a.heads + h0) * a.dv;
   float* lse = a.lse + row * a.heads + h0;
 
-  const int64_t len = a.lens[b];
-  const int64_t visible = a.causal ? len - (a.q_len - 1) + s : len;
-  if (visible <= 0) {
+  const int64_t visible = visible_keys(a, row);
+  if (visible <= 0) {  // never split: written directly
     std::fill(out, out + g * a.dv, 0.f);
     std::fill(lse, lse + g, -inf);
     return;
   }
-  // Bounds before any read: every column this row needs must exist and hold a real block.
+  // Bounds before any read: every column this row needs (all of its chunks, not only this
+  // one) must exist and hold a real block, so no chunk of a faulting row reads anything.
   const int32_t* table = a.table + b * a.max_blocks;
   const int64_t cols = (visible + a.block_size - 1) / a.block_size;
   int32_t bits = 0;
@@ -175,20 +202,24 @@ void run_task(const Args& a, const T* kv, int64_t task, std::vector<float>& kbuf
   // A non-finite query poisons every head of its row, not only the heads of this task.
   bool poisoned = bits != 0 || !all_finite(a.q + row * a.heads * a.dim, a.heads * a.dim);
   const float* q = a.q + (row * a.heads + h0) * a.dim;
-  if (bits != 0 && a.fault != nullptr && h0 == 0) __atomic_fetch_or(a.fault, bits, __ATOMIC_RELAXED);
+  if (bits != 0 && a.fault != nullptr && h0 == 0 && task.k0 == 0)
+    __atomic_fetch_or(a.fault, bits, __ATOMIC_RELAXED);
 
-  float* m = scores.data() + g * kChunk;  // running max per head
-  float* l = m + g;  // running denominator per head
-  std::fill(acc.begin(), acc.begin() + g * a.dv, 0.f);
+  const bool split = task.slot >= 0;
+  // A chunk accumulates straight into its partial; the row's only task into the scratch.
+  float* acc = split ? parts.acc + task.slot * a.group * a.dv : acc_buf.data();
+  float* m = split ? parts.m + task.slot * a.group : scores.data() + g * kStep;  // running max
+  float* l = split ? parts.l + task.slot * a.group : m + g;  // running denominator
+  std::fill(acc, acc + g * a.dv, 0.f);
   std::fill(m, m + g, -inf);
   std::fill(l, l + g, 0.f);
-  const float* rows[kChunk];
-  float p[2 * kChunk];
-  for (int64_t t0 = 0; t0 < visible && !poisoned; t0 += kChunk) {
-    const int64_t n = std::min(kChunk, visible - t0);
-    for (int64_t j = 0; j < kChunk; ++j) {
+  const float* rows[kStep];
+  float p[2 * kStep];
+  for (int64_t t0 = task.k0; t0 < task.k1 && !poisoned; t0 += kStep) {
+    const int64_t n = std::min(kStep, task.k1 - t0);
+    for (int64_t j = 0; j < kStep; ++j) {
       float* dst = kbuf.data() + j * a.dim;
-      if (j >= n) {  // the last chunk's unused rows: zeros, weight 0
+      if (j >= n) {  // the last step's unused rows: zeros, weight 0
         rows[j] = zeros.data();
         continue;
       }
@@ -203,15 +234,15 @@ void run_task(const Args& a, const T* kv, int64_t task, std::vector<float>& kbuf
     }
     for (int64_t h = 0; h < g && !poisoned; h += 2) {
       const int nh = h + 1 < g ? 2 : 1;  // two heads per pass: one key load, two FMAs
-      float* sc = scores.data() + h * kChunk;
+      float* sc = scores.data() + h * kStep;
       if (nh == 2)
-        chunk_scores<2>(q + h * a.dim, rows, a.dim, sc);
+        step_scores<2>(q + h * a.dim, rows, a.dim, sc);
       else
-        chunk_scores<1>(q + h * a.dim, rows, a.dim, sc);
+        step_scores<1>(q + h * a.dim, rows, a.dim, sc);
       float rescale[2];
       for (int i = 0; i < nh; ++i) {
-        float* si = sc + i * kChunk;
-        float* pi = p + i * kChunk;
+        float* si = sc + i * kStep;
+        float* pi = p + i * kStep;
         float mx = m[h + i];
         // With a finite query, a score is finite only if every element of its key row is: a
         // non-finite one cannot cancel out of the sum. So the scores are the cache probe (and
@@ -222,7 +253,7 @@ void run_task(const Args& a, const T* kv, int64_t task, std::vector<float>& kbuf
         }
         rescale[i] = m[h + i] == -inf ? 0.f : std::exp(m[h + i] - mx);
         float sum = l[h + i] * rescale[i];
-        for (int64_t j = 0; j < kChunk; ++j) {
+        for (int64_t j = 0; j < kStep; ++j) {
           pi[j] = j < n ? std::exp(si[j] - mx) : 0.f;
           sum += pi[j];
         }
@@ -230,10 +261,14 @@ void run_task(const Args& a, const T* kv, int64_t task, std::vector<float>& kbuf
         l[h + i] = sum;
       }
       if (nh == 2)
-        chunk_accumulate<2>(acc.data() + h * a.dv, rescale, p, rows, a.dv);
+        step_accumulate<2>(acc + h * a.dv, rescale, p, rows, a.dv);
       else
-        chunk_accumulate<1>(acc.data() + h * a.dv, rescale, p, rows, a.dv);
+        step_accumulate<1>(acc + h * a.dv, rescale, p, rows, a.dv);
     }
+  }
+  if (split) {  // normalized by the merge
+    parts.bad[task.slot] = poisoned;
+    return;
   }
   for (int64_t h = 0; h < g; ++h) {
     float* o = out + h * a.dv;
@@ -243,30 +278,140 @@ void run_task(const Args& a, const T* kv, int64_t task, std::vector<float>& kbuf
       continue;
     }
     const float w = a.v_scale / l[h];
-    const float* src = acc.data() + h * a.dv;
+    const float* src = acc + h * a.dv;
     for (int64_t d = 0; d < a.dv; ++d) o[d] = src[d] * w;
     lse[h] = m[h] + std::log(l[h]);
   }
 }
 
+// The chunks of one row as the single pass over all its keys would have left them: sums
+// rescaled to the largest max, then normalized. Any poisoned chunk makes the row NaN.
+void merge(const Args& a, const Split& sp, const Partials& parts, std::vector<float>& w) {
+  const int64_t g = std::min(a.group, a.heads - sp.h0);
+  float* out = a.out + (sp.row * a.heads + sp.h0) * a.dv;
+  float* lse = a.lse + sp.row * a.heads + sp.h0;
+  bool poisoned = false;
+  for (int64_t c = 0; c < sp.chunks; ++c) poisoned |= parts.bad[sp.slot + c] != 0;
+  if (poisoned) {
+    std::fill(out, out + g * a.dv, std::numeric_limits<float>::quiet_NaN());
+    std::fill(lse, lse + g, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    // Every chunk saw at least one key and only finite scores: its max is finite, l >= 1.
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < sp.chunks; ++c) mx = std::max(mx, parts.m[(sp.slot + c) * a.group + h]);
+    float total = 0.f;
+    for (int64_t c = 0; c < sp.chunks; ++c) {
+      const int64_t i = (sp.slot + c) * a.group + h;
+      w[c] = std::exp(parts.m[i] - mx);
+      total += parts.l[i] * w[c];
+    }
+    const float norm = a.v_scale / total;
+    float* o = out + h * a.dv;
+    for (int64_t c = 0; c < sp.chunks; ++c) {
+      const float wc = w[c] * norm;
+      const float* src = parts.acc + ((sp.slot + c) * a.group + h) * a.dv;
+      if (c == 0)
+        for (int64_t d = 0; d < a.dv; ++d) o[d] = src[d] * wc;
+      else
+        for (int64_t d = 0; d < a.dv; ++d) o[d] += src[d] * wc;
+    }
+    lse[h] = mx + std::log(total);
+  }
+}
+
+// Cuts the rows into tasks (see cpu_decode.py): returns the keys per chunk (0: no row is cut
+// because cutting is off), fills `tasks` largest first, `splits` and the number of slots.
+int64_t plan(const Args& a, int64_t chunk, int64_t min_chunk, int64_t tasks_per_thread,
+             int64_t threads, std::vector<Task>& tasks, std::vector<Split>& splits, int64_t& slots) {
+  const int64_t groups = (a.heads + a.group - 1) / a.group;
+  const int64_t rows = a.batch * a.q_len;
+  const int64_t readable = a.max_blocks * a.block_size;
+  // Keys each row will read: 0 for a row without keys and for one whose length faults
+  // before any read (its task is only a fill).
+  std::vector<int64_t> work(rows);
+  int64_t total = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t v = visible_keys(a, r);
+    work[r] = v > 0 && v <= readable && (a.plan_max < 0 || v <= a.plan_max) ? v : 0;
+    total += work[r];
+  }
+  total *= groups;
+  int64_t size = std::numeric_limits<int64_t>::max();  // keys per chunk; max: cut nothing
+  if (chunk > 0) {
+    size = chunk;
+  } else if (chunk < 0) {
+    const int64_t share = threads * tasks_per_thread;
+    size = std::max(min_chunk, (total + share - 1) / share);
+  }
+  if (size < std::numeric_limits<int64_t>::max() - kStep)
+    size = (size + kStep - 1) / kStep * kStep;  // the key loop's step: full steps inside a row
+  slots = 0;
+  tasks.clear();
+  splits.clear();
+  tasks.reserve(rows * groups);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h0 = 0; h0 < a.heads; h0 += a.group) {
+      if (work[r] <= size) {
+        tasks.push_back({r, h0, 0, std::max<int64_t>(visible_keys(a, r), 0), -1, work[r]});
+        continue;
+      }
+      const int64_t n = (work[r] + size - 1) / size;
+      splits.push_back({r, h0, slots, n});
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t k0 = c * size, k1 = std::min(work[r], k0 + size);
+        tasks.push_back({r, h0, k0, k1, slots++, k1 - k0});
+      }
+    }
+  }
+  // Largest first: pulled in this order, the tail is the small tasks.
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.size > y.size; });
+  return chunk == 0 ? 0 : size;
+}
+
 template <typename T>
-void run(const Args& a, const T* kv) {
-  const int64_t tasks = a.batch * a.q_len * ((a.heads + a.group - 1) / a.group);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kbuf(kChunk * a.dim), acc(a.group * a.dv), scores(a.group * (kChunk + 2));
+int64_t run(const Args& a, const T* kv, int64_t chunk, int64_t min_chunk, int64_t tasks_per_thread) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<Task> tasks;
+  std::vector<Split> splits;
+  int64_t slots = 0;
+  const int64_t size = plan(a, chunk, min_chunk, tasks_per_thread, threads, tasks, splits, slots);
+  std::vector<float> acc(slots * a.group * a.dv), ml(2 * slots * a.group);
+  std::vector<uint8_t> bad(slots);
+  const Partials parts{acc.data(), ml.data(), ml.data() + slots * a.group, bad.data()};
+  // Tasks are pulled one at a time from a shared counter (at::parallel_for's own split is
+  // static: contiguous runs of tasks, whatever their sizes).
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
+    std::vector<float> kbuf(kStep * a.dim), scratch(a.group * a.dv), scores(a.group * (kStep + 2));
     const std::vector<float> zeros(a.dim, 0.f);
-    for (int64_t task = begin; task < end; ++task) run_task<T>(a, kv, task, kbuf, acc, scores, zeros);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;)
+      run_task<T>(a, kv, tasks[i], parts, kbuf, scratch, scores, zeros);
   });
+  const int64_t merges = static_cast<int64_t>(splits.size());
+  at::parallel_for(0, merges, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w;
+    for (int64_t i = begin; i < end; ++i) {
+      w.resize(splits[i].chunks);
+      merge(a, splits[i], parts, w);
+    }
+  });
+  return size;
 }
 
 }  // namespace
 
 // q: float32 [B, S_q, H, D] contiguous, pre-scaled. kv_cache: [num_blocks, block_size, D]
 // with unit last stride, fp32/bf16/fp16 or uint8 (fp8 bytes, dequantized by fp8_table).
-void decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
+// chunk: keys per chunk (> 0), 0 to cut no row, < 0 for the rule of cpu_decode.py with
+// min_chunk and tasks_per_thread. Returns the keys per chunk used (0: none cut).
+int64_t decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
             const torch::Tensor& cache_seqlens, const torch::Tensor& out, const torch::Tensor& lse,
             const c10::optional<torch::Tensor>& fault_flag, const c10::optional<torch::Tensor>& fp8_table,
-            int64_t plan_max, int64_t group, bool causal, double v_scale) {
+            int64_t plan_max, int64_t group, bool causal, double v_scale, int64_t chunk,
+            int64_t min_chunk, int64_t tasks_per_thread) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 4);
   TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == q.size(3) && kv_cache.stride(2) == 1);
   TORCH_CHECK(out.size(3) <= q.size(3));
@@ -274,7 +419,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::
   TORCH_CHECK(cache_seqlens.scalar_type() == torch::kInt32 && cache_seqlens.is_contiguous());
   TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous());
   TORCH_CHECK(lse.scalar_type() == torch::kFloat32 && lse.is_contiguous());
-  TORCH_CHECK(group >= 1);
+  TORCH_CHECK(group >= 1 && min_chunk >= 1 && tasks_per_thread >= 1);
   Args a{};
   a.q = q.data_ptr<float>();
   a.table = block_table.data_ptr<int32_t>();
@@ -298,13 +443,13 @@ void decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::
   a.causal = causal;
   a.v_scale = static_cast<float>(v_scale);
   switch (kv_cache.scalar_type()) {
-    case torch::kFloat32: run(a, kv_cache.data_ptr<float>()); break;
-    case torch::kBFloat16: run(a, kv_cache.data_ptr<c10::BFloat16>()); break;
-    case torch::kHalf: run(a, kv_cache.data_ptr<c10::Half>()); break;
+    case torch::kFloat32: return run(a, kv_cache.data_ptr<float>(), chunk, min_chunk, tasks_per_thread);
+    case torch::kBFloat16:
+      return run(a, kv_cache.data_ptr<c10::BFloat16>(), chunk, min_chunk, tasks_per_thread);
+    case torch::kHalf: return run(a, kv_cache.data_ptr<c10::Half>(), chunk, min_chunk, tasks_per_thread);
     case torch::kUInt8:
       TORCH_CHECK(a.fp8_table != nullptr, "a uint8 cache needs its fp8 table");
-      run(a, kv_cache.data_ptr<uint8_t>());
-      break;
+      return run(a, kv_cache.data_ptr<uint8_t>(), chunk, min_chunk, tasks_per_thread);
     default: TORCH_CHECK(false, "unsupported cache dtype ", kv_cache.scalar_type());
   }
 }

@@ -242,6 +242,7 @@ def test_lengths_above_the_plan_bound_are_nan_and_flagged():
         ("kv_cache", lambda a: {**a, "kv_cache": a["kv_cache"][:, :, :100]}),
         ("fault_flag", lambda a: {**a, "fault_flag": torch.zeros(1, dtype=torch.int64)}),
         ("head_dim_v", lambda a: {**a, "head_dim_v": D + 1}),
+        ("_chunk_keys", lambda a: {**a, "_chunk_keys": -1}),
     ],
 )
 def test_bad_input_is_named(name, mutate):
@@ -265,6 +266,162 @@ def test_bad_input_is_named(name, mutate):
             causal=True,
             **args,
         )
+
+
+# Key chunks: rows longer than the chunk are cut into several tasks and merged by LSE. The
+# kernel never cuts below MIN_CHUNK_KEYS (256) on its own; `_chunk_keys` forces small chunks so
+# that these shapes are cut into many.
+
+#: One long request among short ones (block 16): no keys, 1 key, page boundaries (16, 64),
+#: 48 = 2 chunks of 24 and 65 = one key past 64 (8 chunks of 8).
+MIXED = [200, 0, 1, 16, 48, 64, 65, 7]
+
+
+def _run_cut(q, kv, bt, lens, chunk, *, kv_scale=None, max_seqlen=None, flag=None):
+    """(out, lse, keys per chunk the kernel used)."""
+    return cpu_decode._decode(
+        q,
+        kv,
+        bt,
+        lens,
+        head_dim_v=DV,
+        softmax_scale=D**-0.5,
+        causal=True,
+        kv_scale=kv_scale,
+        max_seqlen=max_seqlen,
+        fault_flag=flag,
+        chunk_keys=chunk,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "kv_scale"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float8_e4m3fn, 0.5)],
+)
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize(("chunk", "used"), [(8, 8), (20, 24)])  # rounded up to the 8-key step
+def test_cut_rows_match_dense_and_the_uncut_kernel(chunk, used, q_len, kv_dtype, kv_scale):
+    """The 200-key request is cut into 9 or 25 chunks (its verify rows see 197..200 keys),
+    the short ones at and around chunk and page boundaries; merged, every row equals the
+    dense reference and the same kernel with no row cut, both to the fp32 tolerance."""
+    q, kv, bt, lens = make_paged_problem(
+        MIXED, num_heads=4, q_len=q_len, block_size=16, head_dim=D, seed=q_len + chunk
+    )
+    kv = kv.to(kv_dtype) if kv_dtype.itemsize > 1 else (kv * 0.5).to(kv_dtype)
+    out, lse, got = _run_cut(q, kv, bt, lens, chunk, kv_scale=kv_scale)
+    assert got == used
+    _assert_close(out, lse, *_dense(q, kv, bt, lens, kv_scale=kv_scale), TOL_FP32)
+    whole_out, whole_lse, none = _run_cut(q, kv, bt, lens, 0, kv_scale=kv_scale)
+    assert none == 0
+    empty = torch.isinf(whole_lse)
+    torch.testing.assert_close(out, whole_out, atol=TOL_FP32, rtol=TOL_FP32)
+    torch.testing.assert_close(lse[~empty], whole_lse[~empty], atol=TOL_FP32, rtol=TOL_FP32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_chunk_rule_cuts_only_the_long_request(threads):
+    """Without `_chunk_keys` the chunk is the total keys over threads x TASKS_PER_THREAD (at
+    least MIN_CHUNK_KEYS): 1 x 2048 + 3 x 64 keys is cut into 4 (1 thread) or 8 chunks (2);
+    4 x 200 keys are not cut."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, kv, bt, lens = make_paged_problem([2048, 64, 64, 64], num_heads=4, head_dim=D, seed=8)
+        out, lse, chunk = _run_cut(q, kv, bt, lens, None)
+        q2, kv2, bt2, lens2 = make_paged_problem([200] * 4, num_heads=4, head_dim=D, seed=9)
+        out2, lse2, chunk2 = _run_cut(q2, kv2, bt2, lens2, None)
+    finally:
+        torch.set_num_threads(before)
+    share = threads * cpu_decode.TASKS_PER_THREAD
+    assert chunk == -(-2240 // share) == (560 if threads == 1 else 280)
+    assert -(-2048 // chunk) == share
+    assert chunk2 == cpu_decode.MIN_CHUNK_KEYS  # no row is longer: one task each
+    _assert_close(out, lse, *_dense(q, kv, bt, lens), TOL_FP32)
+    _assert_close(out2, lse2, *_dense(q2, kv2, bt2, lens2), TOL_FP32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cut_rows_with_head_groups(threads):
+    """One request on 2 threads: 16 heads in 2 groups, each cut into 13 chunks; a non-finite
+    query element in one head still poisons every head of its row."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, kv, bt, lens = make_paged_problem([300], num_heads=16, q_len=2, head_dim=D, seed=10)
+        out, lse, _ = _run_cut(q, kv, bt, lens, 24)
+        bad = q.clone()
+        bad[0, 1, 11, 3] = math.nan
+        nan_out, nan_lse, _ = _run_cut(bad, kv, bt, lens, 24)
+    finally:
+        torch.set_num_threads(before)
+    _assert_close(out, lse, *_dense(q, kv, bt, lens), TOL_FP32)
+    assert torch.equal(_nan_rows(nan_out, nan_lse), torch.tensor([[False, True]]))
+    torch.testing.assert_close(nan_out[0, 0], out[0, 0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("key", "column", "value"),
+    [(5, 3, math.nan), (100, DV + 5, math.inf), (198, 0, -math.inf), (199, DV - 1, math.nan)],
+)
+def test_a_non_finite_key_in_one_chunk_poisons_the_merged_row(key, column, value):
+    """Request 0 (200 keys, chunks of 24, rows see 197..200 keys) holds one non-finite
+    element in key `key`: in its first, a middle or its last chunk. Exactly the rows that see
+    the key are NaN in every head; the other rows and request 1 are unchanged."""
+    q, kv, bt, lens = make_paged_problem([200, 30], num_heads=4, q_len=4, head_dim=D, seed=11)
+    block, slot = int(bt[0, key // 16]), key % 16
+    clean = kv.clone()
+    kv[block, slot, column] = value
+    out, lse, chunk = _run_cut(q, kv, bt, lens, 24)
+    assert chunk == 24
+    nan = torch.zeros(2, 4, dtype=torch.bool)
+    nan[0] = torch.tensor([197 + i > key for i in range(4)])
+    assert torch.equal(_nan_rows(out, lse), nan)
+    _assert_close(out, lse, *_dense(q, clean, bt, lens), TOL_FP32, rows=~nan)
+
+
+@pytest.mark.parametrize("bad", ["num_blocks", INT32_MIN, INT32_MAX])
+def test_bad_block_ids_in_a_later_chunk_are_never_read(bad):
+    """Column 10 (keys 160..175, the 7th and 8th chunks of 24) of request 0 names no block:
+    its rows are NaN and fault, nothing is read from the bad id (INT32_MAX would be far past
+    the cache); column 13 of request 1 lies past its 200 keys and is harmless."""
+    q, kv, bt, lens = make_paged_problem([200, 200, 40], num_heads=4, q_len=2, head_dim=D)
+    good = bt.clone()
+    bad_id = kv.shape[0] if bad == "num_blocks" else bad
+    bt[0, 10] = bad_id
+    bt[1, 13] = bad_id
+    flag = _flag()
+    out, lse, _ = _run_cut(q, kv, bt, lens, 24, flag=flag)
+    assert int(flag) == FAULT_BLOCK_ID
+    nan = torch.tensor([[True, True], [False, False], [False, False]])
+    assert torch.equal(_nan_rows(out, lse), nan)
+    _assert_close(out, lse, *_dense(q, kv, good, lens), TOL_FP32, rows=~nan)
+
+
+def test_cut_rows_next_to_rows_past_the_table_or_the_plan():
+    """A verify window of 4 rows over 209 keys and a 13-column table (208 keys): rows 0-2
+    (206-208 keys) are cut and exact, row 3 is NaN and faults BEYOND_TABLE. With a plan bound
+    of 200 on 201 keys, row 3 (201 keys) is NaN and faults BEYOND_PLAN."""
+    q, kv, bt, lens = make_paged_problem([208, 40], num_heads=4, q_len=4, head_dim=D, seed=12)
+    bt = bt[:, :13].contiguous()
+    lens[0] = 209
+    flag = _flag()
+    out, lse, _ = _run_cut(q, kv, bt, lens, 24, flag=flag)
+    assert int(flag) == FAULT_BEYOND_TABLE
+    nan = torch.tensor([[False, False, False, True], [False] * 4])
+    assert torch.equal(_nan_rows(out, lse), nan)
+    # Request 0's row i at 209 keys sees what its row i + 1 sees at 208; request 1 as it is.
+    shifted = q.clone()
+    shifted[0, 1:] = q[0, :3]
+    ref_out, ref_lse = _dense(shifted, kv, bt, lens.clamp(max=208))
+    _assert_close(out[:1, :3], lse[:1, :3], ref_out[:1, 1:], ref_lse[:1, 1:], TOL_FP32)
+    _assert_close(out[1:], lse[1:], *_dense(q[1:], kv, bt[1:], lens[1:]), TOL_FP32)
+
+    lens[0] = 201
+    flag = _flag()
+    out, lse, _ = _run_cut(q, kv, bt, lens, 24, max_seqlen=200, flag=flag)
+    assert int(flag) == FAULT_BEYOND_PLAN
+    assert torch.equal(_nan_rows(out, lse), nan)
+    _assert_close(out, lse, *_dense(q, kv, bt, lens), TOL_FP32, rows=~nan)
 
 
 def test_torch_backend_runs_the_kernel_on_the_cpu(monkeypatch):
