@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from rocm_mla.kernels import schedule as sch  # noqa: E402
+from rocm_mla.kernels import schedule as sch
 
 BIG = 1 << 30
 
