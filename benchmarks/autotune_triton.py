@@ -2,11 +2,12 @@
 
 For each (head bucket, S_q bucket, KV kind) of ``kernels/tuned_configs.py`` it times one
 representative decode (``--batch`` requests of ``--context`` keys, block 64, shuffled block
-table) with every config of a sweep, each on its planned path (split count from
-``plan_launch`` for that config, outside the timed region), and keeps the fastest. Configs
-that fail to compile or run (out of shared memory, registers) are recorded and skipped;
-every config is first checked against the torch backend on a small problem, so a fast
-wrong config can never win.
+table) with every config of a sweep, each on its planned path (the resident slots from
+``plan_launch`` for that config and the balanced schedule of the lengths over them, both
+outside the timed region), and keeps the fastest. Configs that fail to compile or run (out
+of shared memory, registers) are recorded and skipped; every config is first checked
+against the torch backend on a small problem whose requests the schedule cuts (one piece per
+slot), so a fast wrong config, or a wrong merge, can never win.
 
 Writes a JSON table that ``tuned_configs.load_table_file`` reads (set
 ``ROCM_MLA_TRITON_CONFIGS=<file>`` to use it, or paste its entries into ``TABLES``), with
@@ -106,7 +107,26 @@ def make_problem(batch, context, heads, q_len, kv_kind, device, seed=0):
     )
 
 
-def decode_call(problem, config, splits):
+def planned_schedule(problem, config, slots: int | None = None):
+    """The balanced schedule of ``problem``'s lengths for ``config`` over ``slots`` (None:
+    one piece per slot, so that every request of more than one piece is cut)."""
+    from rocm_mla.kernels import schedule as sch
+
+    lengths = [int(v) for v in problem.cache_seqlens.tolist()]
+    groups = -(-(problem.q.shape[1] * problem.q.shape[2]) // config.block_h)
+    capacity = problem.block_table.shape[1] * problem.kv_cache.shape[1]
+    if slots is None:
+        slots = groups * sum(max(1, sch._pieces(n, capacity)) for n in lengths)
+    return sch.host_schedule(
+        lengths,
+        num_groups=groups,
+        num_slots=slots,
+        capacity_keys=capacity,
+        device=problem.q.device,
+    )
+
+
+def decode_call(problem, config, schedule):
     from rocm_mla.kernels import mla_decode as kernel
 
     def call():
@@ -118,16 +138,19 @@ def decode_call(problem, config, splits):
             head_dim_v=HEAD_DIM_V,
             softmax_scale=problem.softmax_scale,
             kv_scale=problem.kv_scale,
-            num_kv_splits=splits,
             config=config,
+            schedule=schedule,
         )
 
     return call
 
 
 def is_correct(config, check, reference) -> str | None:
-    """None when ``config`` reproduces the torch backend on the small check problem."""
-    out, lse = decode_call(check, config, 3)()
+    """None when ``config`` reproduces the torch backend on the small check problem, its
+    requests cut across slots (stage 1's partials and the merge checked too)."""
+    schedule = planned_schedule(check, config)
+    assert schedule.num_partials > 0
+    out, lse = decode_call(check, config, schedule)()
     ref_out, ref_lse = reference
     # fp8 dots round Q and P to fp8: a few percent, as the fp8 tests model it.
     tol = 0.15 if (config.fp8_qk or config.fp8_pv) and check.kv_scale is not None else 3e-2
@@ -157,25 +180,29 @@ def tune_bucket(target, heads, q_len, kv_kind, args) -> dict:
     timings, best, tried = [], None, set()
     for i, config in enumerate(candidates):
         common.progress(i, len(candidates), f"H{heads} S_q{q_len} {kv_kind} {config}")
-        planned, splits = kernel.plan_launch(
-            batch=args.batch,
+        kv = problem.kv_cache
+        planned, slots = kernel.plan_launch(
             q_len=q_len,
             num_heads=heads,
-            kv_dtype=problem.kv_cache.dtype,
-            max_len=args.context,
-            total_len=args.batch * args.context,
+            kv_dtype=kv.dtype,
             target=target,
             config=config,
+            q_dtype=problem.q.dtype,
+            head_dim=HEAD_DIM,
+            head_dim_v=HEAD_DIM_V,
+            page_size=BLOCK_SIZE,
+            cache_bytes=kv.numel() * kv.element_size(),
         )
         if planned in tried:  # BLOCK_H shrunk to the rows: the same kernel as before
             continue
         tried.add(planned)
-        record = {"config": config.to_dict(), "num_kv_splits": splits}
+        record = {"config": config.to_dict(), "num_slots": slots}
         try:
             wrong = is_correct(planned, check, reference)
             if wrong is None:
+                schedule = planned_schedule(problem, planned, slots)
                 ms = triton.testing.do_bench(
-                    decode_call(problem, planned, splits), rep=args.rep_ms, return_mode="median"
+                    decode_call(problem, planned, schedule), rep=args.rep_ms, return_mode="median"
                 )
         except Exception as exc:  # a config past the shared memory or register budget
             record["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"

@@ -4,7 +4,8 @@ Three measurements, each side by side in one run, written as JSON + PNG under
 ``benchmarks/results/``:
 
 1. **Call overhead** (Triton backend, bf16, block 64): the kernel launched from a prepared
-   plan (``kernels.mla_decode.mla_decode`` with the split count and block shapes given),
+   plan (``kernels.mla_decode.mla_decode`` with the plan's block shapes and balanced
+   schedule given: stage 1 and the merge, no planner launch),
    the planned public call (``mla_decode(..., plan=)``), and the one-shot public call
    (validation, selection and planning on every call). Reported as % of the device's HBM
    peak and as ratios to kernel-only (target: planned within 1.15x at B >= 8, ctx >= 4K).
@@ -99,12 +100,15 @@ def call_overhead() -> list[dict]:
         plan = rocm_mla.plan_decode(
             [context] * batch, q_len=q_len, num_heads=heads, kv_dtype=kv.dtype, backend="triton"
         )
-        config, splits = plan.launch
+        launch = plan.launch
+        config = launch.config
 
-        def kernel_only(q=q, kv=kv, table=table, lens=lens, config=config, splits=splits):
+        # The plan's config and balanced schedule (built once in plan_decode, as an engine
+        # plans once per step): stage 1 and the merge only.
+        def kernel_only(q=q, kv=kv, table=table, lens=lens, launch=launch):
             kernel.mla_decode(
                 q, kv, table, lens, head_dim_v=512, softmax_scale=576**-0.5,
-                num_kv_splits=splits, config=config,
+                config=launch.config, schedule=launch.schedule,
             )  # fmt: skip
 
         def planned(q=q, kv=kv, table=table, lens=lens, plan=plan):
@@ -131,7 +135,9 @@ def call_overhead() -> list[dict]:
             "context": context,
             "heads": heads,
             "q_len": q_len,
-            "num_kv_splits": splits,
+            "num_slots": launch.num_slots,
+            "used_slots": launch.schedule.used_slots,
+            "num_partials": launch.schedule.num_partials,
             "config": repr(config),
             "bytes": nbytes,
             **{f"{k}_s": v for k, v in times.items()},

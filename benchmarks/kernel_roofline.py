@@ -1,9 +1,11 @@
 """Kernel roofline: our MLA decode backends beside peer kernels, as % of bandwidth and compute peak.
 
 Ours: every available backend of the registry (``triton``, ``torch``, ``aiter``). The Triton
-one is timed on its planned path: ``plan_launch`` (config and split count from the tuned
-table and the occupancy) runs once per case outside the timed region, and the timed call
-passes both, so it launches with no host sync. Peers, in the same run on identical inputs
+one is timed on its planned path: ``plan_launch`` (config from the tuned table, resident
+slots from the occupancy) and the balanced schedule of the case's lengths (``host_schedule``,
+the device planner's tables; an engine plans once per step for all layers) are made once per
+case outside the timed region, and the timed call passes both, so it launches stage 1 and
+the merge of the cut units with no host sync. Peers, in the same run on identical inputs
 when they import:
 
 - ``vllm-triton``: vLLM's ``decode_attention_fwd``, called as its ``TritonMLAImpl.forward_mqa``
@@ -219,22 +221,31 @@ def peak_compute(name: str) -> tuple[float, float] | None:
 def planned_triton(problem, lens_host: torch.Tensor):
     """Our Triton decode on its planned path: (call, plan description)."""
     from rocm_mla.kernels import mla_decode as kernel
+    from rocm_mla.kernels.schedule import host_schedule
     from rocm_mla.kernels.target import triton_target
 
     target = triton_target()
     q_len, heads = problem.q.shape[1], problem.q.shape[2]
-    config, splits = kernel.plan_launch(
-        batch=problem.q.shape[0],
+    kv = problem.kv_cache
+    config, slots = kernel.plan_launch(
         q_len=q_len,
         num_heads=heads,
-        kv_dtype=problem.kv_cache.dtype,
-        max_len=int(lens_host.max()),
-        total_len=int(lens_host.sum()),
+        kv_dtype=kv.dtype,
         target=target,
+        q_dtype=problem.q.dtype,
+        head_dim=problem.q.shape[3],
+        head_dim_v=problem.head_dim_v,
+        page_size=kv.shape[1],
+        cache_bytes=kv.numel() * kv.element_size(),
     )
-    entry = kernel.table_entry(
-        target, num_heads=heads, q_len=q_len, kv_dtype=problem.kv_cache.dtype
+    schedule = host_schedule(
+        [int(v) for v in lens_host.tolist()],
+        num_groups=-(-(q_len * heads) // config.block_h),
+        num_slots=slots,
+        capacity_keys=problem.block_table.shape[1] * kv.shape[1],
+        device=problem.q.device,
     )
+    entry = kernel.table_entry(target, num_heads=heads, q_len=q_len, kv_dtype=kv.dtype)
 
     def call():
         return kernel.mla_decode(
@@ -246,11 +257,17 @@ def planned_triton(problem, lens_host: torch.Tensor):
             softmax_scale=problem.softmax_scale,
             causal=problem.causal,
             kv_scale=problem.kv_scale,
-            num_kv_splits=splits,
             config=config,
+            schedule=schedule,
         )
 
-    return call, {"config": config.to_dict(), "num_kv_splits": splits, "source": entry.source}
+    return call, {
+        "config": config.to_dict(),
+        "num_slots": slots,
+        "used_slots": schedule.used_slots,
+        "num_partials": schedule.num_partials,
+        "source": entry.source,
+    }
 
 
 def registry_backends(requested: list[str] | None, interpreter: bool) -> dict[str, type]:

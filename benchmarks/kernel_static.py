@@ -10,16 +10,45 @@ hints, HIP buffer ops only for tensors whose storage is under 2 GiB), compiled o
 specialization with ``triton.compile`` (two processes), and read back:
 
 - sm90: ``cuobjdump -res-usage`` (registers of the built cubin), Triton's ptxas log (spill bytes),
-  the SASS of the main loop (the body of the backward branch that holds the most matrix
-  instructions), the TTGIR (shared buffers, async copies, register round trips).
+  the SASS of the main loop (the body of the innermost backward branch that holds the most
+  matrix instructions), the TTGIR (shared buffers, async copies, register round trips).
 - gfx942 / gfx950: the amdgcn text (``NumVgprs``, ``NumAgprs``, SGPRs, spill counts, the
   main loop's blocks by LLVM's loop comments) and the TTGIR.
 
+"Main loop" is the KV walk: in every reader, the innermost loop (one holding no other loop
+with matrix ops) with the most of them, since stage 1's loop over its slot's segments
+encloses the walk (and the iterations the pipeliner peels off it).
+
 From those: resident programs per SM/CU (``rocm_mla.kernels.residency``), matrix MACs issued
-per KV tile against the useful ones, waves of the grid, KV tile loads per request, the
-tensor-issue ceiling as a share of HBM peak, and the gates of issue 20 per case and target.
-Output: JSON (every gate's verdict with its evidence), PNG and a markdown table under
-``benchmarks/results/``.
+per KV tile against the useful ones, how the balanced schedule fills the grid, KV tile loads
+per request, the tensor-issue ceiling as a share of HBM peak, and the gates of issue 20 per
+case and target. Output: JSON (every gate's verdict with its evidence), PNG and a markdown
+table under ``benchmarks/results/``.
+
+The decode runs a balanced persistent schedule (``rocm_mla.kernels.schedule``): ``plan_launch``
+gives the config and the slots ``S = units x programs_per_cu``, and ``mla_decode(config=,
+num_slots=S)`` launches three kernels, all recorded and compiled: the planner
+(``_plan_schedule_kernel``, one program), stage 1 (one program per slot, grid ``S``) and the
+merge of the cut units' partials (``_merge_pieces_kernel``). The schedule itself is data (the
+lengths are meta tensors here), so its figures come from ``host_schedule`` on the case's
+lengths (every request ``context`` keys), which writes the device planner's tables. The
+gates, as measured now:
+
+- ``no_spills``: no spill in any of the three kernels (the planner included).
+- ``issued_over_useful``, ``fp8_matrix_op``, ``kv_loads_overlap``,
+  ``guard_without_round_trip``: stage 1's KV loop, unchanged.
+- ``whole_waves``: the grid is exactly one wave (``S`` programs, ``S / units`` the compiled
+  residency: waves 1.0), and at B >= 8 the schedule keeps that wave busy: the mean slot's
+  cost (its segments' keys plus an overhead each, the schedule's cost model) is at least
+  ``MIN_WAVE_FILL`` of the busiest slot's, idle slots counting 0. (Under the uniform split it
+  was the grid's fill of whole waves.)
+- ``planner_uses_compiled_residency``: ``plan_launch``'s slots per CU equal the compiled
+  stage 1's residency, and the grid is those slots.
+- ``kv_tile_loads_h128``: KV tile loads per request, read off the schedule: the keys its
+  segments walk over its keys (rounded up to pieces), i.e. one load per row group. A cut
+  adds a segment (a prologue and a partial, in the cost model) but no load, since a unit's
+  segments walk disjoint whole tiles (pieces are multiples of every BLOCK_N); the segments
+  per unit are reported beside it.
 
     python -m benchmarks.kernel_static [--cases all|reduced] [--targets sm90,gfx942,gfx950]
 """
@@ -29,7 +58,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import functools
 import io
+import itertools
 import json
 import math
 import multiprocessing
@@ -57,8 +88,9 @@ COMPUTE_BOUND_ROWS = 64  #: rows (H x S_q) per request from which issued/useful 
 MIN_WAVE_FILL = 0.9
 MIN_GATED_BATCH = 8
 MAX_TILE_LOADS_H128 = 2
-#: The module whose launches are stage 1 (the split-KV decode); any other is a merge.
+#: The module whose launches are stage 1 (the split-KV decode), and the schedule planner's.
 STAGE1_MODULE = "rocm_mla.kernels.mla_decode_kernel"
+PLANNER_MODULE = "rocm_mla.kernels.schedule"
 
 
 @dataclass(frozen=True)
@@ -233,6 +265,37 @@ def _jit_function(launch: Launch):
     return getattr(sys.modules[launch.module], launch.kernel)
 
 
+@functools.cache
+def schedule_facts(requests: int, context: int, groups: int, slots: int, capacity: int) -> dict:
+    """The balanced schedule of ``requests`` requests of ``context`` keys over ``slots``
+    slots (``host_schedule``: the device planner's tables), as the gates read it."""
+    from rocm_mla.kernels import schedule as sch
+
+    tables = sch.host_schedule(
+        [context] * requests, num_groups=groups, num_slots=slots, capacity_keys=capacity
+    )
+    bounds = tables.slot_segments.tolist()
+    segments = tables.segments[: bounds[-1]].tolist()
+    loads = [
+        sum(end - first + sch.OVERHEAD_KEYS for _, first, end, _ in segments[lo:hi])
+        for lo, hi in itertools.pairwise(bounds)
+    ]
+    per_unit: dict[int, int] = {}
+    walked = [0] * requests
+    for unit, first, end, _ in segments:
+        per_unit[unit] = per_unit.get(unit, 0) + 1
+        walked[unit // groups] += end - first
+    planned = sch._pieces(context, capacity) * sch.PIECE_KEYS
+    return {
+        "used_slots": tables.used_slots,
+        "partials": tables.num_partials,
+        "cut_units": sum(u >= 0 for u in tables.split_units.tolist()),
+        "max_segments_per_unit": max(per_unit.values()),
+        "slot_fill": round(sum(loads) / len(loads) / max(loads), 3) if max(loads) else 0.0,
+        "kv_tile_loads_per_request": max(walked) / planned if planned else 0.0,
+    }
+
+
 def record_case(case: Case, target: GpuTarget, batch: int) -> dict:
     """Plan and "launch" one decode step of ``case`` at ``batch`` requests on ``target``."""
     from rocm_mla.kernels import mla_decode as md
@@ -241,20 +304,23 @@ def record_case(case: Case, target: GpuTarget, batch: int) -> dict:
     requests = case.kernel_batch(batch)
     kv_dtype = torch.bfloat16 if case.kv == "bf16" else target.fp8_dtype
     pages = -(-case.context // PAGE_SIZE)
-    config, splits = md.plan_launch(
-        batch=requests,
-        q_len=case.kernel_q_len,
-        num_heads=case.heads,
-        kv_dtype=kv_dtype,
-        max_len=case.context,
-        total_len=requests * case.context,
-        target=tt,
-    )
     meta = {"device": "meta"}
     q = torch.empty(requests, case.kernel_q_len, case.heads, HEAD_DIM, dtype=torch.bfloat16, **meta)
     kv_cache = torch.empty(requests * pages, PAGE_SIZE, HEAD_DIM, dtype=kv_dtype, **meta)
     block_table = torch.empty(requests, pages, dtype=torch.int32, **meta)
     seqlens = torch.empty(requests, dtype=torch.int32, **meta)
+    config, slots = md.plan_launch(
+        q_len=case.kernel_q_len,
+        num_heads=case.heads,
+        kv_dtype=kv_dtype,
+        target=tt,
+        q_dtype=torch.bfloat16,
+        head_dim=HEAD_DIM,
+        head_dim_v=HEAD_DIM_V,
+        page_size=PAGE_SIZE,
+        cache_bytes=kv_cache.untyped_storage().nbytes(),
+    )
+    num_groups = -(-case.rows // config.block_h)
     with _recording(tt) as launches:
         md.mla_decode(
             q,
@@ -265,8 +331,8 @@ def record_case(case: Case, target: GpuTarget, batch: int) -> dict:
             softmax_scale=HEAD_DIM**-0.5,
             causal=case.dcp == 1,
             kv_scale=None if case.kv == "bf16" else 1.0,
-            num_kv_splits=splits,
             config=config,
+            num_slots=slots,
         )
     # Outside the recording: programs_per_cu compiles the real kernel for this shape.
     planner_residency = md.programs_per_cu(
@@ -281,9 +347,11 @@ def record_case(case: Case, target: GpuTarget, batch: int) -> dict:
         "batch": batch,
         "requests": requests,
         "config": config.to_dict(),
-        "splits": splits,
-        "num_groups": -(-case.rows // config.block_h),
+        "slots": slots,
+        "num_groups": num_groups,
         "planner_programs_per_cu": planner_residency,
+        "plan_slots_per_cu": slots / target.units,
+        "schedule": schedule_facts(requests, case.context, num_groups, slots, pages * PAGE_SIZE),
         "kv_cache_bytes": kv_cache.untyped_storage().nbytes(),
         "launches": launches,
     }
@@ -455,7 +523,8 @@ def _sass_matrix_shape(opcode: str) -> tuple[int, int, int, str] | None:
 
 
 def read_sass_loop(sass: str) -> dict:
-    """Counts in the body of the first backward branch (a loop) with the most matrix ops."""
+    """Counts in the body of the first innermost backward branch (a loop holding no other
+    loop with matrix ops) with the most matrix ops."""
     instructions = [
         (int(m.group(1), 16), m.group(2), m.group(3)) for m in _SASS_LINE.finditer(sass)
     ]
@@ -463,18 +532,28 @@ def read_sass_loop(sass: str) -> dict:
     for addr, opcode, operands in instructions:
         target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
         if target is not None and int(target.group(1), 16) < addr:
-            body = [op for a, op, _ in instructions if int(target.group(1), 16) <= a <= addr]
+            start = int(target.group(1), 16)
+            body = [op for a, op, _ in instructions if start <= a <= addr]
             if "EXIT" in body:
                 # Not a loop: a divergent-branch fallback placed after the kernel's end
                 # (``BRA.DIV``) jumps back to where it left.
                 continue
             matrix = sum(_sass_matrix_shape(op) is not None for op in body)
-            loops.append((matrix, -addr, body))
+            loops.append((matrix, -addr, body, (start, addr)))
     if not loops:
         return {"found": False}
+    # A loop around the KV walk (stage 1's loop over its slot's segments) holds its matrix
+    # ops too, and the pipeliner's peeled ones: only loops that hold no other loop with
+    # matrix ops are the walk's candidates.
+    spans = [span for matrix, _, _, span in loops if matrix]
+    loops = [
+        loop
+        for loop in loops
+        if not any(s != loop[3] and loop[3][0] <= s[0] and s[1] <= loop[3][1] for s in spans)
+    ]
     # The first of the loops with the most matrix ops, as in the TTGIR (a verify window's
     # walk over the tiles every row sees comes first).
-    _, _, body = max(loops, key=lambda loop: loop[:2])
+    _, _, body, _ = max(loops, key=lambda loop: loop[:2])
     matrix: dict[str, int] = {}
     counts = dict.fromkeys(_SASS_COUNTED, 0)
     for op in body:
@@ -533,27 +612,51 @@ def read_amdgcn(text: str) -> dict:
 
 
 def read_amdgcn_loop(text: str) -> dict:
-    """Counts in the blocks of the loop (LLVM's ``Loop Header`` / ``in Loop: Header=`` block
-    comments) that holds the most MFMAs."""
+    """Counts in the blocks of the innermost loop (LLVM's ``Loop Header`` / ``in Loop:
+    Header=`` block comments, which name a block's innermost loop) that holds the most
+    MFMAs, among the loops that enclose no other loop with MFMAs (stage 1's loop over its
+    slot's segments holds the KV walk, and the pipeliner's peeled iterations)."""
     blocks: dict[str, list[str]] = {}
+    enclosing: dict[str, set[str]] = {}  # loop header -> the loops around it
     current = None
+    label, notes = None, ""  # a block whose label comments (one line or more) are being read
+
+    def settle() -> None:
+        nonlocal current, label, notes
+        if label is None:
+            return
+        member = re.search(r"in Loop: Header=BB(\d+_\d+) Depth=\d+", notes)
+        if label and re.search(r"Loop Header: Depth=\d+", notes):
+            current = label
+            enclosing[label] = set(re.findall(r"Parent Loop BB(\d+_\d+) Depth=\d+", notes))
+        else:
+            current = member.group(1) if member else None
+        label, notes = None, ""
+
     for line in text.splitlines():
-        header = re.match(r"^\.LBB(\d+_\d+):.*Loop Header: Depth=1", line)
-        member = re.search(r"in Loop: Header=BB(\d+_\d+) Depth=\d+", line)
-        if re.match(r"^(\.LBB\d+_\d+:|; %bb\.\d+:)", line):
-            current = header.group(1) if header else member.group(1) if member else None
+        block = re.match(r"^(?:\.LBB(\d+_\d+):|; %bb\.\d+:)(.*)", line)
+        if block:
+            label, notes, current = block.group(1) or "", block.group(2), None
             continue
-        if re.match(r"^\s*(\.|;|$)", line) or re.match(r"^[A-Za-z_.]\S*:", line):
+        if re.match(r"^\s*;", line):
+            if label is not None:
+                notes += line
+            continue
+        if re.match(r"^\s*(\.|$)", line) or re.match(r"^[A-Za-z_.]\S*:", line):
             if re.match(r"^[A-Za-z_]\S*:", line):
-                current = None
+                label, current = None, None
             continue
+        settle()
         if current is not None:
             blocks.setdefault(current, []).append(line.split()[0])
     if not blocks:
         return {"found": False}
-    body = max(
-        blocks.values(), key=lambda ops: sum(_amd_matrix_shape(op) is not None for op in ops)
-    )
+
+    def mfmas(ops: list[str]) -> int:
+        return sum(_amd_matrix_shape(op) is not None for op in ops)
+
+    outer = {o for loop, ops in blocks.items() if mfmas(ops) for o in enclosing.get(loop, ())}
+    body = max((ops for loop, ops in blocks.items() if loop not in outer), key=mfmas)
     matrix: dict[str, int] = {}
     counts = dict.fromkeys(_AMD_COUNTED, 0)
     for op in body:
@@ -601,6 +704,12 @@ def read_ttgir(text: str) -> dict:
     def dot_count(span) -> int:
         return sum(any(d in lines[j] for d in dots) for j in range(span[0], span[1] + 1))
 
+    # Only loops that hold no other loop with dots: the KV walk and a causal verify window's
+    # tail tiles, not stage 1's loop over its slot's segments around them.
+    dotted = [span for span in loops if dot_count(span)]
+    loops = [
+        (a, b) for a, b in loops if not any((a, b) != s and a <= s[0] and s[1] <= b for s in dotted)
+    ]
     # The first of the loops with the most dots: the KV walk (a causal verify window's tail
     # tiles come after it, in a loop of their own).
     main = max(loops, key=dot_count, default=None)
@@ -806,6 +915,7 @@ def analyze(case: Case, target: GpuTarget, plans: list[dict], kernels: dict) -> 
         )
         programs = math.prod(plan["grid"])
         waves = programs / (max(resident, 1) * target.units)
+        schedule = plan["schedule"]
         work = _matrix_work(info, target)
         useful_rows = case.rows / plan["num_groups"]
         useful = useful_rows * config["block_n"] * (HEAD_DIM + HEAD_DIM_V)
@@ -824,15 +934,18 @@ def analyze(case: Case, target: GpuTarget, plans: list[dict], kernels: dict) -> 
                 "batch": plan["batch"],
                 "requests": plan["requests"],
                 "config": config,
-                "splits": plan["splits"],
+                "slots": plan["slots"],
+                "num_groups": plan["num_groups"],
                 "stage1": info["key"],
                 "other_kernels": [k["key"] for k in others],
                 "grid": plan["grid"],
                 "resident_per_unit": resident,
                 "planner_programs_per_cu": plan["planner_programs_per_cu"],
+                "plan_slots_per_cu": plan["plan_slots_per_cu"],
                 "waves": round(waves, 3),
-                "wave_fill": round(waves / math.ceil(waves), 3) if waves else 0.0,
-                "kv_tile_loads_per_request": plan["num_groups"],
+                "schedule": schedule,
+                "slot_fill": schedule["slot_fill"],
+                "kv_tile_loads_per_request": schedule["kv_tile_loads_per_request"],
                 "kv_cache_bytes": plan["kv_cache_bytes"],
                 "issued_macs_per_tile": work["issued_macs"],
                 "useful_macs_per_tile": useful,
@@ -927,23 +1040,38 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
     gated = [b for b in per_batch if b["batch"] >= MIN_GATED_BATCH]
     result["whole_waves"] = _gate(
         bool(gated),
-        all(b["wave_fill"] >= MIN_WAVE_FILL for b in gated),
+        all(b["waves"] == 1.0 and b["slot_fill"] >= MIN_WAVE_FILL for b in gated),
         {
+            "rule": "the grid is one wave (one program per resident slot) and the mean "
+            "slot's cost is >= min_fill of the busiest slot's (idle slots count 0)",
             "min_fill": MIN_WAVE_FILL,
             "by_batch": {
-                b["batch"]: {k: b[k] for k in ("grid", "resident_per_unit", "waves", "wave_fill")}
+                b["batch"]: {
+                    "grid": b["grid"],
+                    "resident_per_unit": b["resident_per_unit"],
+                    "waves": b["waves"],
+                    "slot_fill": b["slot_fill"],
+                    "used_slots": b["schedule"]["used_slots"],
+                }
                 for b in gated
             },
         },
     )
     result["planner_uses_compiled_residency"] = _gate(
         True,
-        all(b["planner_programs_per_cu"] == b["resident_per_unit"] for b in per_batch),
+        all(
+            b["planner_programs_per_cu"] == b["resident_per_unit"] == b["plan_slots_per_cu"]
+            and math.prod(b["grid"]) == b["slots"]
+            for b in per_batch
+        ),
         {
             "by_batch": {
                 b["batch"]: {
                     "planner_programs_per_cu": b["planner_programs_per_cu"],
+                    "plan_slots_per_cu": b["plan_slots_per_cu"],
                     "compiled_resident": b["resident_per_unit"],
+                    "slots": b["slots"],
+                    "grid": b["grid"],
                 }
                 for b in per_batch
             }
@@ -955,7 +1083,16 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
         all(b["kv_tile_loads_per_request"] <= MAX_TILE_LOADS_H128 for b in per_batch),
         {
             "limit": MAX_TILE_LOADS_H128,
-            "by_batch": {b["batch"]: b["kv_tile_loads_per_request"] for b in per_batch},
+            "rule": "keys the schedule's segments walk per key of a request (one per row "
+            "group: a unit's segments walk disjoint whole tiles)",
+            "by_batch": {
+                b["batch"]: {
+                    "kv_tile_loads_per_request": b["kv_tile_loads_per_request"],
+                    "row_groups": b["num_groups"],
+                    "max_segments_per_unit": b["schedule"]["max_segments_per_unit"],
+                }
+                for b in per_batch
+            },
         },
     )
     result["guard_without_round_trip"] = _gate(
@@ -996,15 +1133,20 @@ def record_target(cases: tuple[Case, ...], target: GpuTarget) -> tuple[dict, dic
                 request = specialize(launch, target)
                 requests.setdefault(request["key"], request)
                 keys.append(request["key"])
-            # Stage 1 is what the decode module itself launches; the merge lives elsewhere.
-            stage1 = [i for i, x in enumerate(launches) if x.module == STAGE1_MODULE]
-            if len(stage1) != 1:
-                raise RuntimeError(
-                    f"kernel_static: {case.name} on {target.key} at B {batch} launched "
-                    f"{len(stage1)} kernels from {STAGE1_MODULE}, expected one: {launches}"
-                )
-            plan["grid"] = list(launches[stage1[0]].grid)
-            plan["stage1"] = keys[stage1[0]]
+            # Stage 1 is what the decode module itself launches, the planner the schedule
+            # module; the merge lives elsewhere.
+            for module in (STAGE1_MODULE, PLANNER_MODULE):
+                count = sum(x.module == module for x in launches)
+                if count != 1:
+                    raise RuntimeError(
+                        f"kernel_static: {case.name} on {target.key} at B {batch} launched "
+                        f"{count} kernels from {module}, expected one: {launches}"
+                    )
+            stage1 = next(i for i, x in enumerate(launches) if x.module == STAGE1_MODULE)
+            planner = next(i for i, x in enumerate(launches) if x.module == PLANNER_MODULE)
+            plan["grid"] = list(launches[stage1].grid)
+            plan["stage1"] = keys[stage1]
+            plan["planner"] = keys[planner]
             plan["keys"] = keys
             plans.setdefault((case.name, target.key), []).append(plan)
     return plans, requests
@@ -1109,13 +1251,14 @@ def markdown(payload: dict) -> str:
         f"{payload['environment']['date']}",
         "",
         f"Context {payload['context']}, page {payload['page_size']}; figures at B 32 unless "
-        f"noted; waves at B {'/'.join(map(str, payload['batches']))}. Wall time "
+        f"noted; slot fill (mean / busiest slot's cost in the schedule, the grid being one "
+        f"wave of slots) at B {'/'.join(map(str, payload['batches']))}. Wall time "
         f"{payload['wall_s']['total']} s, {payload['distinct_compiles']} distinct compiles. "
         "Gates: P pass, F fail, - not applicable.",
         "",
-        "| case | target | config (H x N, T: keys as M; warps/stages, splits) | "
+        "| case | target | config (H x N, T: keys as M; warps/stages, slots) | "
         "regs(+agprs) / spill | smem KB | "
-        "loop matrix ops | iss/use | KV bufs, async | res/unit | waves B8/32/128 | loads | "
+        "loop matrix ops | iss/use | KV bufs, async | res/unit | fill B8/32/128 | loads | "
         "ceil % HBM | " + " | ".join(short.get(g, g) for g in gate_names) + " |",
         "|" + "---|" * (12 + len(gate_names)),
     ]
@@ -1133,20 +1276,20 @@ def markdown(payload: dict) -> str:
                 f"{info['regs_per_thread']}+{info['agprs_per_thread']} / "
                 f"{info['vgpr_spill_count']} (sgpr {info['sgpr_spill_count']})"
             )
-        merge_spills = r["gates"]["no_spills"]["evidence"]["spills_by_kernel"]
+        other_spills = r["gates"]["no_spills"]["evidence"]["spills_by_kernel"]
         stage1_keys = {x["stage1"] for x in r["per_batch"]}
-        merge_spills = {k: v for k, v in merge_spills.items() if k not in stage1_keys and v}
-        if merge_spills:
-            regs += f" (merge spills {max(merge_spills.values())})"
+        other_spills = {k: v for k, v in other_spills.items() if k not in stage1_keys and v}
+        if other_spills:
+            regs += f" (planner/merge spill {max(other_spills.values())})"
         ops = ", ".join(f"{op} x{n}" for op, n in info["loop"].get("matrix", {}).items()) or "none"
-        waves = "/".join(str(by_batch[x]["waves"]) for x in payload["batches"] if x in by_batch)
+        waves = "/".join(str(by_batch[x]["slot_fill"]) for x in payload["batches"] if x in by_batch)
         verdicts = [
             "-" if v["pass"] is None else "P" if v["pass"] else "**F**" for v in r["gates"].values()
         ]
         lines.append(
             f"| {r['case']['name']} | {r['target']} | {c['block_h']}x{c['block_n']}"
             f"{'T' if c.get('keys_as_m') else ''}, "
-            f"{c['num_warps']}/{c['num_stages']}, {b['splits']} | {regs} | "
+            f"{c['num_warps']}/{c['num_stages']}, {b['slots']} | {regs} | "
             f"{info['shared_bytes'] / 1024:.1f} | {ops} | {b['issued_over_useful']} | "
             f"{b['kv']['kv_buffers']}, {b['kv']['async_copies_in_loop']} | "
             f"{b['resident_per_unit']} | "

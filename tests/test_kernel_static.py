@@ -186,6 +186,74 @@ class TestReaders:
         assert loop["matrix"] == {"v_mfma_f32_16x16x16_bf16": 2}
         assert loop["counts"]["buffer_load"] == 1 and loop["counts"]["ds_read"] == 1
 
+    def test_loops_around_the_walk_are_not_the_walk(self) -> None:
+        """Stage 1 loops over its slot's segments around the KV walk (and the pipeliner
+        peels iterations into that loop): each reader takes the innermost loop with the
+        most matrix ops, not the one around it."""
+        sass = "\n".join(
+            [
+                "/*0000*/  MOV R1, c[0x0][0x28] ;",
+                "/*0010*/  HMMA.16816.F32.BF16 R4, R8, R12, R4 ;",  # peeled: outer loop
+                "/*0020*/  HMMA.16816.F32.BF16 R4, R8, R12, R4 ;",
+                "/*0030*/  HMMA.16816.F32.BF16 R4, R8, R12, R4 ;",  # the walk
+                "/*0040*/  LDL R5, [R1] ;",
+                "/*0050*/  @P0 BRA 0x30 ;",
+                "/*0060*/  HMMA.16816.F32.BF16 R4, R8, R12, R4 ;",  # peeled
+                "/*0070*/  @P1 BRA 0x10 ;",
+                "/*0080*/  EXIT ;",
+            ]
+        )
+        loop = ks.read_sass_loop(sass)
+        assert loop["matrix"] == {"HMMA.16816.F32.BF16": 1} and loop["counts"]["LDL"] == 1
+        text = "\n".join(
+            [
+                "_kernel:",
+                ".LBB0_3:                                ; =>This Loop Header: Depth=1",
+                "                                        ;     Child Loop BB0_6 Depth 2",
+                "\tv_mfma_f32_16x16x16_bf16 v[4:7], v[0:1], v[2:3], v[4:7]",
+                "\tv_mfma_f32_16x16x16_bf16 v[4:7], v[0:1], v[2:3], v[4:7]",
+                ".LBB0_6:                                ;   Parent Loop BB0_3 Depth=1",
+                "                                        ; =>  This Inner Loop Header: Depth=2",
+                "\tbuffer_load_dwordx4 v[0:3], v13, s[0:3], 0 offen",
+                "\tv_mfma_f32_16x16x16_bf16 v[4:7], v[0:1], v[2:3], v[4:7]",
+                "; %bb.7:                                ;   in Loop: Header=BB0_6 Depth=2",
+                "\tds_read_b128 v[8:11], v12",
+                "\ts_cbranch_scc1 .LBB0_6",
+                "; %bb.8:                                ;   in Loop: Header=BB0_3 Depth=1",
+                "\tv_mfma_f32_16x16x16_bf16 v[4:7], v[0:1], v[2:3], v[4:7]",
+                "\ts_cbranch_scc1 .LBB0_3",
+                "\ts_endpgm",
+            ]
+        )
+        loop = ks.read_amdgcn_loop(text)
+        assert loop["matrix"] == {"v_mfma_f32_16x16x16_bf16": 1}
+        assert loop["counts"]["buffer_load"] == 1 and loop["counts"]["ds_read"] == 1
+        dots = "      %d = tt.dot %q, %k, %acc : tensor<64x512xbf16, #b>"
+        ttgir = "\n".join(
+            [
+                "    %s = scf.for %i = %a to %b step %c iter_args(%x = %y) -> (i32) {",
+                dots,
+                "      %r = scf.for %n = %a to %b step %c iter_args(%x = %y) -> (i32) {",
+                "      %t = ttg.local_load %buf : !ttg.memdesc<64x512xbf16> -> "
+                "tensor<64x512xbf16, #b>",
+                dots,
+                "        scf.yield %x : i32",
+                "      }",
+                dots,
+                "      scf.yield %x : i32",
+                "    }",
+            ]
+        )
+        facts = ks.read_ttgir(ttgir)
+        ops = [(result, op) for result, op, _, _ in facts["loop_ops"]]
+        assert ops == [
+            ("%r", "scf.for"),
+            ("%t", "ttg.local_load"),
+            ("%d", "tt.dot"),
+            (None, "scf.yield"),
+        ]
+        assert facts["other_loop_ops"] == []
+
     def test_round_trip_is_a_shared_tile_written_back(self) -> None:
         loop = [
             "    %r = scf.for %n = %a to %b step %c iter_args(%x = %y) -> (i32) {",
@@ -304,16 +372,20 @@ def probe_gates() -> dict:
         launch = ks.Launch("_probe_mla_loop", __name__, (1,), (q, kv, out, 4096), kwargs)
         info = ks.compile_and_read(ks.specialize(launch, target))
         groups = heads // block_h
+        slots = target.units
         plan = {
             "batch": 32,
             "requests": 32,
             "config": {"block_h": block_h, "block_n": block_n, "num_warps": 4, "num_stages": 1},
-            "splits": 1,
+            "slots": slots,
             "num_groups": groups,
             "planner_programs_per_cu": 1,
+            "plan_slots_per_cu": 1.0,
+            "schedule": ks.schedule_facts(32, 4096, groups, slots, 4096),
             "kv_cache_bytes": 4096 * 576 * 2,
-            "grid": [32 * groups],
+            "grid": [slots],
             "stage1": info["key"],
+            "planner": info["key"],
             "keys": [info["key"]],
         }
         case = ks.Case("probe", heads, 1, "bf16")
@@ -375,3 +447,81 @@ def test_reduced_case_list_meets_every_gate_but_the_known_gaps(tmp_path: Path) -
     assert not KNOWN_GAPS - failed, "now met, drop from KNOWN_GAPS:\n" + "\n".join(
         sorted(KNOWN_GAPS - failed)
     )
+
+
+# ---- the schedule's figures and the gates computed from them (fast) --------------------------
+
+
+class TestScheduleGates:
+    def test_schedule_facts(self) -> None:
+        # A uniform batch that fits: 8 units of 64 pieces each, one slot each; no cut.
+        fits = ks.schedule_facts(4, 4096, 2, 8, 4096)
+        assert fits["cut_units"] == 0 and fits["partials"] == 0
+        assert fits["max_segments_per_unit"] == 1 and fits["used_slots"] == 8
+        assert fits["slot_fill"] == 1.0 and fits["kv_tile_loads_per_request"] == 2.0
+        # One request over 132 slots: cut into a segment per slot, each key still walked once.
+        long = ks.schedule_facts(1, 32768, 1, 132, 32768)
+        assert long["max_segments_per_unit"] == long["used_slots"] >= 0.9 * 132
+        assert long["kv_tile_loads_per_request"] == 1.0 and long["slot_fill"] >= 0.9
+        # Two one-piece requests over 4 slots: half the slots idle, and the fill says so.
+        idle = ks.schedule_facts(2, 64, 1, 4, 64)
+        assert idle["used_slots"] == 2 and idle["slot_fill"] == 0.5
+
+    @staticmethod
+    def _gates(**batch_overrides) -> dict:
+        """``gates`` of a gfx942 H128 case over one synthetic batch (stage 1 and planner
+        kernels read from fake compile results)."""
+        target = ks.TARGETS["gfx942"]
+        kernel = {
+            "vgpr_spill_count": 0,
+            "scratch_bytes": 0,
+            "sgpr_spill_count": 0,
+            "loop": {"matrix": {"v_mfma_f32_16x16x16_bf16": 8}},
+        }
+        planner = dict(kernel, vgpr_spill_count=batch_overrides.pop("planner_spills", 0))
+        kv = {
+            "kv_buffers": 2,
+            "kv_stages": 2,
+            "async_copies_in_loop": 0,
+            "async_wait_nums": [],
+            "kv_round_trips": [],
+            "guard_on_smem_tile": False,
+            "guard_round_trips": 0,
+        }
+        batch = {
+            "batch": 32,
+            "config": {"block_h": 64},
+            "slots": 304,
+            "num_groups": 2,
+            "stage1": "s1",
+            "other_kernels": ["plan"],
+            "grid": [304],
+            "resident_per_unit": 1,
+            "planner_programs_per_cu": 1,
+            "plan_slots_per_cu": 1.0,
+            "waves": 1.0,
+            "schedule": {"used_slots": 304, "max_segments_per_unit": 5},
+            "slot_fill": 0.99,
+            "kv_tile_loads_per_request": 2.0,
+            "issued_over_useful": 1.0,
+            "replication": 1.0,
+            "row_padding": 1.0,
+            "kv": kv,
+        } | batch_overrides
+        case = ks.Case("H128 Sq1 bf16", 128, 1, "bf16")
+        return ks.gates(case, target, [batch], {"s1": kernel, "plan": planner})
+
+    def test_the_schedule_gates_pass_and_fail_on_their_figures(self) -> None:
+        good = self._gates()
+        assert all(g["pass"] in (True, None) for g in good.values()), good
+        assert self._gates(slot_fill=0.8)["whole_waves"]["pass"] is False
+        assert self._gates(waves=2.0, grid=[608])["whole_waves"]["pass"] is False
+        wrong_grid = self._gates(grid=[608])
+        assert wrong_grid["planner_uses_compiled_residency"]["pass"] is False
+        assert (
+            self._gates(plan_slots_per_cu=2.0)["planner_uses_compiled_residency"]["pass"] is False
+        )
+        assert self._gates(kv_tile_loads_per_request=3.0)["kv_tile_loads_h128"]["pass"] is False
+        # The planner kernel is under the spill gate too.
+        spilled = self._gates(planner_spills=4)["no_spills"]
+        assert spilled["pass"] is False and spilled["evidence"]["spills_by_kernel"]["plan"] == 4

@@ -82,3 +82,63 @@ def test_autotune_sweep_is_valid_for_each_target(target, kv_kind):
             assert config.block_n <= 32 and config.num_stages <= 2  # 64 KB of LDS
     quick = autotune_triton.sweep(target, kv_kind, quick=True)
     assert set(quick) <= set(configs) and all(c.block_h == 64 for c in quick)
+
+
+# ---- the benchmarks' planned Triton calls, on the interpreter (or a GPU) ---------------------
+
+
+def _small_problem(lengths, heads, q_len, dtype=torch.float32, seed=0):
+    from rocm_mla.inputs import prepare_decode
+    from tests.reference import make_paged_problem
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, kv, bt, lens = make_paged_problem(
+        lengths, num_heads=heads, q_len=q_len, block_size=16, dtype=dtype, seed=seed
+    )
+    return prepare_decode(
+        q.to(device),
+        kv.to(device),
+        bt.to(device),
+        lens.to(device),
+        head_dim_v=512,
+        softmax_scale=None,
+        causal=True,
+        kv_scale=None,
+    )
+
+
+def test_roofline_times_the_triton_decode_on_its_balanced_schedule():
+    """``planned_triton``: config and slots from ``plan_launch``, the lengths' host schedule
+    made outside the timed call, which then matches torch."""
+    from rocm_mla.backends.torch_ref import torch_mla_decode
+    from rocm_mla.kernels.plan import plan_launch
+    from tests.reference import assert_same_attention
+
+    problem = _small_problem([150, 3], heads=16, q_len=2)
+    call, extra = kernel_roofline.planned_triton(problem, problem.cache_seqlens.cpu())
+    _, slots = plan_launch(q_len=2, num_heads=16, kv_dtype=torch.float32)
+    assert extra["num_slots"] == slots and 1 <= extra["used_slots"] <= slots
+    assert extra["num_partials"] == 0 or slots > 1
+    out, lse = call()
+    ref_out, ref_lse = torch_mla_decode(problem)
+    assert_same_attention(out, lse, ref_out, ref_lse, 1e-5)
+
+
+def test_autotune_checks_each_config_through_cut_units_and_the_merge():
+    """The correctness check cuts every request of its problem (one piece per slot), so a
+    config whose partials or merge were wrong could not win; the check passes for the
+    interpreter's tuned config and fails when the output is off."""
+    from rocm_mla.backends.torch_ref import torch_mla_decode
+    from rocm_mla.kernels import mla_decode as kernel
+    from rocm_mla.kernels.mla_decode_args import _group_config
+    from rocm_mla.kernels.target import triton_target
+
+    check = _small_problem([150, 70, 5], heads=16, q_len=1, seed=1)
+    config = _group_config(kernel.default_config(triton_target(), num_heads=16), 16)
+    schedule = autotune_triton.planned_schedule(check, config)
+    assert schedule.num_partials > 0
+    assert set(schedule.split_units.tolist()) - {-1} == {0, 1}  # 3 and 2 pieces, cut
+    reference = torch_mla_decode(check)
+    assert autotune_triton.is_correct(config, check, reference) is None
+    wrong = (reference[0] + 0.1, reference[1])
+    assert autotune_triton.is_correct(config, check, wrong).startswith("wrong result")

@@ -7,6 +7,11 @@ column ``p // page_size`` is below ``max_blocks`` and ``block_table[b, col]`` li
 the kernel ORs ``FAULT_BLOCK_ID`` / ``FAULT_BEYOND_TABLE`` into the optional ``fault_flag``;
 every other row is exact and the flag is never cleared.
 
+Each check runs twice where it matters: on requests of at most one 64-key piece walked by one
+slot (``cut=False``), and on the same requests 64 keys longer over enough slots that the
+balanced schedule cuts every unit in two (``cut=True``), so a poisoned segment reaches the
+output through stage 2's merge of the partials.
+
 "Never read" is checked for real: the cache and the block table sit between pages that
 are mapped with no access, so a read one block before or after the cache, or one column
 past the table, kills the process; ids far outside (+-10**6, +-2^31) land in memory that is
@@ -31,6 +36,7 @@ from rocm_mla.inputs import FAULT_BEYOND_PLAN, FAULT_BEYOND_TABLE, FAULT_BLOCK_I
 from rocm_mla.kernels import mla_decode as kernel
 from rocm_mla.kernels.tuned_configs import LaunchConfig
 from tests.reference import assert_same_attention, make_paged_problem
+from tests.schedule_helpers import cut_requests
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:invalid value encountered:RuntimeWarning",
@@ -51,6 +57,12 @@ PREFETCH = LaunchConfig(
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 LENGTHS = [40, 33, 23]  # page 16: 3, 3 and 2 blocks; the table holds 4 columns (capacity 64)
+#: ``cut=True``: every request LONGER keys (4 pages) longer, 7, 7 and 6 blocks in a table of 8
+#: columns (capacity 128): two pieces each, so a column ``c`` of the short layout is ``c + 4``.
+LONGER = 64
+#: 3 requests x 2 row groups (S_q 2 x 16 heads, 16-row groups) x 2 pieces: one piece per
+#: slot, so the schedule cuts every unit of more than one piece.
+SLOTS = 12
 
 
 def guarded(t: torch.Tensor) -> torch.Tensor:
@@ -76,10 +88,12 @@ def guarded(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def problem(dtype=torch.float32, seed=0):
-    """Requests of 40, 33 and 23 keys, S_q 2, 16 heads, page 16; cache and table guarded."""
+def problem(dtype=torch.float32, seed=0, *, cut=False):
+    """Requests of 40, 33 and 23 keys (``cut``: 104, 97 and 87), S_q 2, 16 heads, page 16;
+    cache and table guarded."""
+    lengths = [n + LONGER * cut for n in LENGTHS]
     q, kv, bt, lens = make_paged_problem(
-        LENGTHS, num_heads=16, q_len=2, block_size=16, dtype=dtype, seed=seed, extra_blocks=4
+        lengths, num_heads=16, q_len=2, block_size=16, dtype=dtype, seed=seed, extra_blocks=4
     )
     assert (kv.numel() * kv.element_size()) % mmap.PAGESIZE == 0
     if DEVICE == "cpu":
@@ -105,8 +119,16 @@ def reference(q, kv, bt, lens):
     return rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
 
 
-def decode(q, kv, bt, lens, *, splits, flag=True, config=CONFIG):
-    """The kernel with no host value check (as a planned call runs it), and its flag."""
+def decode(q, kv, bt, lens, *, cut, flag=True, config=CONFIG):
+    """The kernel with no host value check (as a planned call runs it), and its flag.
+
+    ``cut``: over ``SLOTS`` slots, the device planner reading these (unchecked) lengths;
+    every request with more than one piece below the table's capacity is cut (asserted).
+    Else one slot walks every unit."""
+    capacity = bt.shape[1] * kv.shape[1]
+    if cut:
+        long = {b for b, n in enumerate(lens.tolist()) if min(n, capacity) > 64}
+        assert long and cut_requests(lens, groups=2, slots=SLOTS, capacity_keys=capacity) == long
     p = prepare_decode(
         q,
         kv,
@@ -126,7 +148,7 @@ def decode(q, kv, bt, lens, *, splits, flag=True, config=CONFIG):
         p.cache_seqlens,
         head_dim_v=512,
         softmax_scale=p.softmax_scale,
-        num_kv_splits=splits,
+        num_slots=SLOTS if cut else 1,
         config=config,
         fault_flag=fault,
     )
@@ -147,17 +169,21 @@ def bad_id(value, num_blocks):
     return {"num_blocks": num_blocks, "num_blocks+1": num_blocks + 1}.get(value, value)
 
 
+CUT = pytest.mark.parametrize("cut", [False, True], ids=["whole", "cut"])
+
+
 @pytest.mark.parametrize("config", [CONFIG, PREFETCH], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("splits", [1, 3])
+@CUT
 @pytest.mark.parametrize("value", BAD_IDS)
 def test_an_out_of_range_block_id_is_never_read_and_poisons_the_rows_that_see_it(
-    value, splits, dtype, config
+    value, cut, dtype, config
 ):
-    q, kv, bt, lens = problem(dtype, seed=1)
+    q, kv, bt, lens = problem(dtype, seed=1, cut=cut)
     ref_out, ref_lse = reference(q, kv, bt, lens)
-    bt[2, 1] = bad_id(value, kv.shape[0])  # keys 16..22 of request 2 (the table's last row)
-    out, lse, fault = decode(q, kv, bt, lens, splits=splits, config=config)
+    # Keys 16..31 of request 2 (the table's last row); cut, in its first segment of two.
+    bt[2, 1] = bad_id(value, kv.shape[0])
+    out, lse, fault = decode(q, kv, bt, lens, cut=cut, config=config)
     poisoned = torch.zeros(lse.shape, dtype=torch.bool)
     poisoned[2] = True
     assert_rows(out, lse, poisoned, ref_out, ref_lse, TOL[dtype])
@@ -165,13 +191,14 @@ def test_an_out_of_range_block_id_is_never_read_and_poisons_the_rows_that_see_it
 
 
 @pytest.mark.parametrize("fill", [math.nan, math.inf])
-@pytest.mark.parametrize("splits", [1, 2])
-def test_a_bad_block_only_the_later_query_sees_poisons_only_that_query(splits, fill):
-    """Request 1 has 33 keys: query 0 sees keys 0..31, query 1 also key 32 (column 2).
+@CUT
+def test_a_bad_block_only_the_later_query_sees_poisons_only_that_query(cut, fill):
+    """Request 1 has 33 keys: query 0 sees keys 0..31, query 1 also key 32 (column 2); cut,
+    97 keys, the same in its second segment (keys 64..96, column 6).
 
     Whatever the kernel reads in place of the bad block (the cache's last one, here all
     NaN or Inf) must not reach query 0, which gives that key weight 0."""
-    q, kv, bt, lens = problem(seed=2)
+    q, kv, bt, lens = problem(seed=2, cut=cut)
     last = kv.shape[0] - 1
     spare = next(i for i in range(last) if not (bt == i).any())
     if (bt == last).any():  # move the last block's keys to a spare block
@@ -179,52 +206,59 @@ def test_a_bad_block_only_the_later_query_sees_poisons_only_that_query(splits, f
         bt[bt == last] = spare
     kv[last] = fill
     ref_out, ref_lse = reference(q, kv, bt, lens)
-    bt[1, 2] = -1
-    out, lse, fault = decode(q, kv, bt, lens, splits=splits)
+    bt[1, 2 + 4 * cut] = -1
+    out, lse, fault = decode(q, kv, bt, lens, cut=cut)
     poisoned = torch.zeros(lse.shape, dtype=torch.bool)
     poisoned[1, 1] = True
     assert_rows(out, lse, poisoned, ref_out, ref_lse, 1e-5)
     assert fault == FAULT_BLOCK_ID
 
 
-def test_bad_block_ids_past_the_length_are_no_fault():
-    q, kv, bt, lens = problem(seed=3)
+@CUT
+def test_bad_block_ids_past_the_length_are_no_fault(cut):
+    q, kv, bt, lens = problem(seed=3, cut=cut)
     ref_out, ref_lse = reference(q, kv, bt, lens)
-    bt[0, 3] = 10**6  # request 0 uses columns 0..2
-    bt[2, 2:] = INT32_MIN  # request 2 uses columns 0..1
-    out, lse, fault = decode(q, kv, bt, lens, splits=2)
+    shift = 4 * cut
+    bt[0, 3 + shift] = 10**6  # request 0 uses columns 0..2 (cut: 0..6)
+    bt[2, 2 + shift :] = INT32_MIN  # request 2 uses columns 0..1 (cut: 0..5)
+    out, lse, fault = decode(q, kv, bt, lens, cut=cut)
     assert_same_attention(out, lse, ref_out.cpu(), ref_lse.cpu(), 1e-5)
     assert fault == 0
 
 
 @pytest.mark.parametrize("config", [CONFIG, PREFETCH], ids=["plain", "prefetch"])
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("length", [66, 1000, 10**6, INT32_MAX])
-def test_lengths_past_the_table_poison_their_request_and_nothing_else(length, splits, config):
-    """Capacity 64: with a length of 66 or more both queries of request 2 may see past it."""
-    q, kv, bt, lens = problem(seed=4)
+@CUT
+@pytest.mark.parametrize("length", ["capacity+2", 1000, 10**6, INT32_MAX])
+def test_lengths_past_the_table_poison_their_request_and_nothing_else(length, cut, config):
+    """Capacity 64 (cut: 128): with a length of capacity + 2 or more both queries of
+    request 2 may see past it (cut: the schedule plans its keys up to the capacity, two
+    pieces)."""
+    q, kv, bt, lens = problem(seed=4, cut=cut)
     ref_out, ref_lse = reference(q, kv, bt, lens)
     fill_spare_columns(kv, bt, 2)  # finite keys up to the capacity: only the length is bad
-    lens[2] = length
-    out, lse, fault = decode(q, kv, bt, lens, splits=splits, config=config)
+    capacity = bt.shape[1] * kv.shape[1]
+    lens[2] = capacity + 2 if length == "capacity+2" else length
+    out, lse, fault = decode(q, kv, bt, lens, cut=cut, config=config)
     poisoned = torch.zeros(lse.shape, dtype=torch.bool)
     poisoned[2] = True
     assert_rows(out, lse, poisoned, ref_out, ref_lse, 1e-5)
     assert fault == FAULT_BEYOND_TABLE
 
 
-def test_one_key_past_the_table_poisons_only_the_query_that_sees_it():
-    """Length 65 at capacity 64: query 0 sees keys 0..63 (all readable), query 1 key 64 too.
-    Query 0 then equals query 1 of a 64-key request with the same q row."""
-    q, kv, bt, lens = problem(seed=5)
+@CUT
+def test_one_key_past_the_table_poisons_only_the_query_that_sees_it(cut):
+    """Length 65 at capacity 64 (cut: 129 at 128): query 0 sees keys 0..63 (all readable),
+    query 1 key 64 too. Query 0 then equals query 1 of a 64-key request with the same q row."""
+    q, kv, bt, lens = problem(seed=5, cut=cut)
     fill_spare_columns(kv, bt, 2)
+    capacity = bt.shape[1] * kv.shape[1]
     lens_full = lens.clone()
-    lens_full[2] = 64
+    lens_full[2] = capacity
     q_shift = q.clone()
     q_shift[2, 1] = q[2, 0]
     ref_out, ref_lse = reference(q_shift, kv, bt, lens_full)
-    lens[2] = 65
-    out, lse, fault = decode(q, kv, bt, lens, splits=2)
+    lens[2] = capacity + 1
+    out, lse, fault = decode(q, kv, bt, lens, cut=cut)
     assert torch.isnan(out[2, 1]).all() and torch.isnan(lse[2, 1]).all()
     assert_same_attention(out[2, 0], lse[2, 0], ref_out[2, 1], ref_lse[2, 1], 1e-5)
     assert fault == FAULT_BEYOND_TABLE
@@ -232,18 +266,20 @@ def test_one_key_past_the_table_poisons_only_the_query_that_sees_it():
 
 @pytest.mark.parametrize("length", [-1, INT32_MIN])
 def test_negative_lengths_see_nothing_and_are_no_fault(length):
-    q, kv, bt, lens = problem(seed=6)
+    """Request 0 plans no piece; the other two are cut."""
+    q, kv, bt, lens = problem(seed=6, cut=True)
     ref_out, ref_lse = reference(q, kv, bt, lens)
     lens[0] = length
     bt[0] = INT32_MIN  # never looked at: no key is visible
-    out, lse, fault = decode(q, kv, bt, lens, splits=2)
+    out, lse, fault = decode(q, kv, bt, lens, cut=True)
     assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
     assert_same_attention(out[1:], lse[1:], ref_out[1:].cpu(), ref_lse[1:].cpu(), 1e-5)
     assert fault == 0
 
 
 def test_both_faults_are_ored_into_a_flag_that_is_never_cleared():
-    q, kv, bt, lens = problem(seed=7)
+    """Through cut units: each of their segments ORs its own faults in."""
+    q, kv, bt, lens = problem(seed=7, cut=True)
     bt[0, 1] = -5
     lens[1] = 1000
     p = prepare_decode(
@@ -258,6 +294,8 @@ def test_both_faults_are_ored_into_a_flag_that_is_never_cleared():
         check_values=False,
     )
     flag = torch.full((1,), FAULT_BEYOND_PLAN, dtype=torch.int32, device=q.device)
+    capacity = bt.shape[1] * kv.shape[1]
+    assert cut_requests(lens, groups=2, slots=SLOTS, capacity_keys=capacity) == {0, 1, 2}
     kernel.mla_decode(
         p.q,
         p.kv_cache,
@@ -265,7 +303,7 @@ def test_both_faults_are_ored_into_a_flag_that_is_never_cleared():
         p.cache_seqlens,
         head_dim_v=512,
         softmax_scale=p.softmax_scale,
-        num_kv_splits=2,
+        num_slots=SLOTS,
         config=CONFIG,
         fault_flag=flag,
     )
@@ -276,7 +314,7 @@ def test_without_a_flag_the_rows_are_still_poisoned():
     q, kv, bt, lens = problem(seed=8)
     ref_out, ref_lse = reference(q, kv, bt, lens)
     bt[0, 0] = 10**6
-    out, lse, fault = decode(q, kv, bt, lens, splits=1, flag=False)
+    out, lse, fault = decode(q, kv, bt, lens, cut=False, flag=False)
     poisoned = torch.zeros(lse.shape, dtype=torch.bool)
     poisoned[0] = True
     assert_rows(out, lse, poisoned, ref_out, ref_lse, 1e-5)
@@ -303,14 +341,16 @@ def test_a_malformed_flag_is_refused_by_name(flag):
             lens,
             head_dim_v=512,
             softmax_scale=0.1,
-            num_kv_splits=1,
+            num_slots=1,
             config=CONFIG,
             fault_flag=flag,
         )
 
 
 def test_the_planned_backend_call_passes_the_problem_flag_and_one_shot_still_refuses():
-    q, kv, bt, lens = problem(seed=10)
+    """The backend forced to ``SLOTS`` slots cuts every request; the plan's own schedule
+    (the target's slots) and the one-shot call run alongside."""
+    q, kv, bt, lens = problem(seed=10, cut=True)
     ref_out, ref_lse = reference(q, kv, bt, lens)
     plan = rocm_mla.plan_decode(
         lens,
@@ -322,7 +362,9 @@ def test_the_planned_backend_call_passes_the_problem_flag_and_one_shot_still_ref
         backend="triton",
     )
     bt[0, 2] = kv.shape[0]
-    impl = TritonMLAImpl(num_heads=16, head_dim_v=512, rope_dim=64, num_kv_splits=2)
+    capacity = bt.shape[1] * kv.shape[1]
+    assert cut_requests(lens, groups=2, slots=SLOTS, capacity_keys=capacity) == {0, 1, 2}
+    impl = TritonMLAImpl(num_heads=16, head_dim_v=512, rope_dim=64, num_slots=SLOTS)
     problem_ = prepare_decode(
         q,
         kv,

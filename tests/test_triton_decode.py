@@ -3,7 +3,10 @@
 With no GPU, conftest switches on ``TRITON_INTERPRET=1``; the interpreter runs programs one
 at a time in numpy, so the grid below is a hand-picked list (not a cartesian product) that
 still covers every value the contract names: batch 1..4, heads 1/16/20/128, S_q 1..4, block
-sizes 1/16/64, lengths 0/1/odd/>= 2K, forced splits 1/2/7/32, NaN in every unused slot.
+sizes 1/16/64, lengths 0/1/odd/>= 2K, forced slots 1/3/7/32 (the balanced schedule then cuts
+every request longer than one 64-key piece that does not fit a slot across several, and stage 2
+merges its partials; each case states whether its schedule cuts), NaN in every unused cache
+slot.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from rocm_mla.kernels import mla_decode_args
 from rocm_mla.kernels.plan import MAX_SPLITS, MIN_TOKENS_PER_SPLIT
 from rocm_mla.kernels.target import TritonTarget, triton_target
 from tests.reference import assert_same_attention, dense_mla_decode, make_paged_problem
+from tests.schedule_helpers import cut_requests, num_groups
 
 if TritonMLAImpl.unavailable_reason() is not None:
     pytest.skip(TritonMLAImpl.unavailable_reason(), allow_module_level=True)
@@ -44,12 +48,12 @@ def problem(lengths, *, heads, q_len, block, dtype=torch.float32, seed=0, head_d
     return q.to(DEVICE), kv.to(DEVICE), bt.to(DEVICE), lens.to(DEVICE)
 
 
-def run_both(q, kv, bt, lens, *, splits=None, causal=True, kv_scale=None, head_dim_v=512):
+def run_both(q, kv, bt, lens, *, slots=None, causal=True, kv_scale=None, head_dim_v=512):
     impl = TritonMLAImpl(
         num_heads=q.shape[2],
         head_dim_v=head_dim_v,
         rope_dim=q.shape[3] - head_dim_v,
-        num_kv_splits=splits,
+        num_slots=slots,
     )
     got = impl.forward(q, kv, bt, lens, causal=causal, kv_scale=kv_scale)
     want = rocm_mla.mla_decode(
@@ -58,27 +62,35 @@ def run_both(q, kv, bt, lens, *, splits=None, causal=True, kv_scale=None, head_d
     return got, want
 
 
+def cut(q, kv, bt, lens, slots, *, config=None):
+    """The requests the schedule of this call cuts across ``slots`` slots (tuned config)."""
+    groups = num_groups(heads=q.shape[2], q_len=q.shape[1], kv_dtype=kv.dtype, config=config)
+    return cut_requests(lens, groups=groups, slots=slots, capacity_keys=bt.shape[1] * kv.shape[1])
+
+
 # Each row is one case; together they cover every listed value (see the module docstring).
 GRID = [
-    # lengths,            heads, S_q, block, dtype,         splits
-    ([1, 0, 37, 2], 16, 1, 16, torch.float32, None),
-    ([2053], 16, 1, 64, torch.float32, 7),
-    ([2049, 5], 20, 2, 1, torch.float16, 32),
-    ([9, 3, 130], 128, 4, 16, torch.float16, 2),
-    ([300, 1, 0], 1, 3, 64, torch.float32, 2),
-    ([131], 16, 4, 1, torch.float32, 1),
-    ([3, 1, 0, 2], 20, 4, 16, torch.float32, 7),
-    ([65, 2100], 1, 2, 16, torch.float16, 1),
-    ([511], 128, 1, 64, torch.float32, 32),
+    # lengths,            heads, S_q, block, dtype,       slots, the requests it cuts
+    ([1, 0, 37, 2], 16, 1, 16, torch.float32, None, None),
+    ([2053], 16, 1, 64, torch.float32, 7, {0}),
+    ([2049, 5], 20, 2, 1, torch.float16, 32, {0}),
+    ([9, 3, 130], 128, 4, 16, torch.float16, 3, {2}),
+    ([300, 1, 0], 1, 3, 64, torch.float32, 2, {0}),
+    ([131], 16, 4, 1, torch.float32, 1, set()),
+    ([3, 1, 0, 2], 20, 4, 16, torch.float32, 7, set()),  # 20 units of one piece, 7 slots
+    ([65, 2100], 1, 2, 16, torch.float16, 1, set()),
+    ([511], 128, 1, 64, torch.float32, 32, {0}),
 ]
 
 
-@pytest.mark.parametrize(("lengths", "heads", "q_len", "block", "dtype", "splits"), GRID)
-def test_triton_matches_torch(lengths, heads, q_len, block, dtype, splits):
+@pytest.mark.parametrize(("lengths", "heads", "q_len", "block", "dtype", "slots", "cuts"), GRID)
+def test_triton_matches_torch(lengths, heads, q_len, block, dtype, slots, cuts):
     q, kv, bt, lens = problem(
         lengths, heads=heads, q_len=q_len, block=block, dtype=dtype, seed=sum(lengths)
     )
-    (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens, splits=splits)
+    if slots is not None:
+        assert cut(q, kv, bt, lens, slots) == cuts
+    (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens, slots=slots)
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[dtype])
 
 
@@ -107,9 +119,11 @@ def test_strided_inputs():
 
 
 def test_small_head_dims_against_dense_reference():
-    """Dv and rope that are not the production 512 + 64 (non-power-of-two Dv, masked)."""
-    q, kv, bt, lens = problem([45, 12], heads=16, q_len=2, block=16, head_dim=100, seed=4)
-    impl = TritonMLAImpl(num_heads=16, head_dim_v=72, rope_dim=28, num_kv_splits=2)
+    """Dv and rope that are not the production 512 + 64 (non-power-of-two Dv, masked), the
+    130-key request cut across slots (partials and merge of Dv 72)."""
+    q, kv, bt, lens = problem([45, 130], heads=16, q_len=2, block=16, head_dim=100, seed=4)
+    assert cut(q, kv, bt, lens, 3) == {1}
+    impl = TritonMLAImpl(num_heads=16, head_dim_v=72, rope_dim=28, num_slots=3)
     out, lse = impl.forward(q, kv, bt, lens)
     ref_out, ref_lse = dense_mla_decode(q.cpu(), kv.cpu(), bt.cpu(), lens.cpu(), head_dim_v=72)
     assert_same_attention(out.cpu(), lse.cpu(), ref_out.float(), ref_lse.float(), 1e-5)
@@ -122,7 +136,8 @@ def test_fp8_cache_matches_torch_on_dequantized_cache(fp8):
     q, kv, bt, lens = problem([77, 1, 0, 40], heads=16, q_len=2, block=1, seed=5)
     scale = 0.37
     kv8 = (kv / scale).to(fp8)  # NaN slots stay NaN in both fp8 flavours
-    (out, lse), _ = run_both(q, kv8, bt, lens, splits=2, kv_scale=scale)
+    assert cut(q, kv8, bt, lens, 5) == {0}
+    (out, lse), _ = run_both(q, kv8, bt, lens, slots=5, kv_scale=scale)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv8.float() * scale, bt, lens, backend="torch")
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float32])
 
@@ -130,16 +145,17 @@ def test_fp8_cache_matches_torch_on_dequantized_cache(fp8):
 def test_amd_tile_shape_and_xcd_remap_under_any_target():
     """The gfx942 stage-1 shape (16 rows x 16 keys) with the 8-XCD program-id remap.
 
-    The remap must be a bijection over any grid size: a lost program would leave a partial
-    unwritten, a duplicated one would double a contribution.
+    The remap must be a bijection over any grid size: a lost slot would leave its segments
+    (final rows or partials) unwritten.
     """
     config = kernel.LaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, num_xcds=8)
-    q, kv, bt, lens = problem([50, 17, 0], heads=20, q_len=2, block=16, seed=6)
+    q, kv, bt, lens = problem([150, 17, 0], heads=20, q_len=2, block=16, seed=6)
     p = prepare_decode(
         q, kv, bt, lens, head_dim_v=512, softmax_scale=None, causal=True, kv_scale=None
     )
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
-    for splits in (1, 3):  # grids of 9 and 27 programs: neither divides by 8
+    for slots in (1, 4, 11):  # grids of 1, 4 and 11 slots: none divides by 8
+        assert cut(q, kv, bt, lens, slots, config=config) == (set() if slots == 1 else {0})
         out, lse = kernel.mla_decode(
             p.q,
             p.kv_cache,
@@ -147,7 +163,7 @@ def test_amd_tile_shape_and_xcd_remap_under_any_target():
             p.cache_seqlens,
             head_dim_v=512,
             softmax_scale=p.softmax_scale,
-            num_kv_splits=splits,
+            num_slots=slots,
             config=config,
         )
         assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float32])
@@ -156,7 +172,8 @@ def test_amd_tile_shape_and_xcd_remap_under_any_target():
 def test_bfloat16_runs_with_fp32_tiles():
     """bf16 q and cache: on the interpreter the tiles are upcast (Triton issue 11584)."""
     q, kv, bt, lens = problem([33, 90], heads=16, q_len=1, block=16, dtype=torch.bfloat16)
-    (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens, splits=2)
+    assert cut(q, kv, bt, lens, 3) == {1}
+    (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens, slots=3)
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])
 
 
@@ -166,18 +183,20 @@ def test_bfloat16_runs_with_fp32_tiles():
     heads=st.sampled_from([1, 3, 16, 20]),
     q_len=st.integers(1, 4),
     block=st.sampled_from([1, 16, 64]),
-    splits=st.sampled_from([None, 1, 2, 5]),
+    slots=st.sampled_from([None, 1, 2, 5]),
     causal=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-# Found by this test: one request whose row pads its group, through split partials.
-@example(lengths=[0], heads=1, q_len=1, block=1, splits=2, causal=False, seed=0)
-def test_fuzz_triton_against_torch(lengths, heads, q_len, block, splits, causal, seed):
+# Found by this test (with split partials then): one request whose row pads its group.
+@example(lengths=[0], heads=1, q_len=1, block=1, slots=2, causal=False, seed=0)
+# The same one-row request long enough to be cut: its padded row group through partials.
+@example(lengths=[150], heads=1, q_len=1, block=1, slots=2, causal=False, seed=0)
+def test_fuzz_triton_against_torch(lengths, heads, q_len, block, slots, causal, seed):
     q, kv, bt, lens = problem(
         lengths, heads=heads, q_len=q_len, block=block, head_dim=48, seed=seed
     )
     (out, lse), (ref_out, ref_lse) = run_both(
-        q, kv, bt, lens, splits=splits, causal=causal, head_dim_v=32
+        q, kv, bt, lens, slots=slots, causal=causal, head_dim_v=32
     )
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float32])
 
@@ -201,17 +220,17 @@ def test_split_heuristic_bounds():
     assert kernel.choose_num_kv_splits(1, 1, 32768.0, 32768, 1) == 1
 
 
-def test_planned_splits_follow_the_target():
-    lens = torch.tensor([32768], dtype=torch.int32, device=DEVICE)
-    splits = kernel.plan_num_kv_splits(lens, 1, 16)
+def test_planned_slots_follow_the_target():
+    """The schedule balances over every resident slot: compute units x programs per CU of
+    the compiled stage 1, whatever the lengths (they are not an argument any more)."""
     target = triton_target()
-    config = kernel.default_config(target, num_heads=16)
-    slots = target.num_cus * kernel.programs_per_cu(
-        mla_decode_args._group_config(config, 16), target, kv_dtype=torch.bfloat16
+    config, slots = kernel.plan_launch(q_len=1, num_heads=16, kv_dtype=torch.bfloat16)
+    assert config == mla_decode_args._group_config(kernel.default_config(target, num_heads=16), 16)
+    assert slots == target.num_cus * kernel.programs_per_cu(
+        config, target, kv_dtype=torch.bfloat16, num_heads=16, q_len=1
     )
-    assert splits == kernel.choose_num_kv_splits(1, 1, 32768.0, 32768, slots)
     if target.backend == "interpreter":
-        assert splits == 1  # programs run one at a time: splitting is pure overhead
+        assert slots == 1  # programs run one at a time: one slot, nothing is cut
 
 
 def test_hip_options_only_for_hip_targets():
@@ -248,13 +267,15 @@ def test_backend_description():
         assert "cpu" not in TritonMLAImpl.capabilities.platforms
 
 
-def test_num_kv_splits_is_validated_and_cp_is_normalized():
-    for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="num_kv_splits"):
-            TritonMLAImpl(num_heads=16, num_kv_splits=bad)
-    impl = TritonMLAImpl(16, 512, 64, None, -1, -1, num_kv_splits=2)
-    assert (impl.dcp_world_size, impl.dcp_rank) == (1, 0)
+def test_num_slots_is_validated_and_cp_is_normalized():
     q, kv, bt, lens = problem([5], heads=16, q_len=1, block=16)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="num_slots"):
+            TritonMLAImpl(num_heads=16, num_slots=bad)
+        with pytest.raises(ValueError, match="num_slots must be an int >= 1 or None"):
+            kernel.mla_decode(q, kv, bt, lens, head_dim_v=512, softmax_scale=0.1, num_slots=bad)
+    impl = TritonMLAImpl(16, 512, 64, None, -1, -1, num_slots=2)
+    assert (impl.dcp_world_size, impl.dcp_rank) == (1, 0)
     impl.dcp_world_size = -1
     with pytest.raises(ValueError):
         impl.forward(q, kv, bt, lens)
@@ -265,15 +286,15 @@ def test_num_kv_splits_is_validated_and_cp_is_normalized():
 # Runs in a fresh interpreter without TRITON_INTERPRET, so that @triton.jit builds real
 # kernels; triton.compile needs a GPUTarget, not a GPU. For every distinct stage-1 config the
 # target's tuned table can hand out (each head/S_q bucket and KV kind, BLOCK_H shrunk as
-# plan_launch shrinks it), with the constexprs mla_decode would pass, and for the merge,
-# prints one JSON line per kernel.
+# plan_launch shrinks it), with the constexprs mla_decode would pass, and for the merges and
+# the schedule's planner, prints one JSON line per kernel.
 _AOT_SCRIPT = r"""
 import json, re, sys
 import torch
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rocm_mla.kernels import merge_states as ms, quantize_q as qq
+from rocm_mla.kernels import merge_states as ms, quantize_q as qq, schedule as sch
 from rocm_mla.kernels import mla_decode_args as mda, mla_decode_kernel as mdk
 from rocm_mla.kernels.target import TritonTarget
 from rocm_mla.kernels import tuned_configs as tc
@@ -324,14 +345,17 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
                   BLOCK_W=min(config.block_n, 32 if kv_dtype == fp8 else 16),
                   BLOCK_DV=512 // config.dv_chunks, DV_CHUNKS=config.dv_chunks, BLOCK_DR=64,
                   NUM_XCDS=config.num_xcds, HAS_FAULT_FLAG=True, PREFETCH_IDS=config.prefetch_ids,
-                  ROWS_PADDED=False,
                   **{k: v for k, v in dot_types.items() if k != "FP8_MAX"})
     # With fp8 Q K^T stage 1 reads q quantized per row (quantize_q).
     q_type = kv_dtype if dot_types["QK_FP8"] else q_dtype
     pointers = {"q_ptr": "*" + tl_name[q_type], "q_scale_ptr": "*fp32",
                 "kv_ptr": "*" + tl_name[kv_dtype],
-                "block_table_ptr": "*i32", "seqlens_ptr": "*i32", "out_ptr": "*fp32",
-                "lse_ptr": "*fp32", "fault_ptr": "*i32"}
+                "block_table_ptr": "*i32", "seqlens_ptr": "*i32", "slot_segments_ptr": "*i32",
+                "segments_ptr": "*i32", "out_ptr": "*" + tl_name[q_dtype], "lse_ptr": "*fp32",
+                "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "fault_ptr": "*i32"}
+    missing = [n for n in mdk._mla_decode_stage1.arg_names
+               if n.endswith("_ptr") and n not in pointers]
+    assert not missing, f"stage-1 pointers without a type here: {missing}"
     # A cache row is 576 elements (a page of them per block): the runtime specializes both
     # KV strides as multiples of 16, which keeps the tile loads vectorized. Lengths, block
     # counts and the q / out strides are left unknown.
@@ -346,6 +370,19 @@ consts = dict(HEAD_DIM_V=512, BLOCK_P=4, BLOCK_R=1, BLOCK_D=256)
 pointers = {"outs_ptr": "*fp32", "lses_ptr": "*fp32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
 merge = build(ms._merge_states_kernel, pointers, consts, target, ms.merge_launch_options(here))
 print(json.dumps({"kernel": "merge", **merge}))
+# Stage 2 of the balanced schedule, for every row-group size stage 1 compiled above.
+for block_h in sorted({config.block_h for config, _, _ in kernels}):
+    consts = dict(GROUP_ROWS=block_h, HEAD_DIM_V=512, BLOCK_P=4, BLOCK_R=1, BLOCK_D=256)
+    pointers = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "unit_parts_ptr": "*i32",
+                "split_units_ptr": "*i32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
+    pieces = build(ms._merge_pieces_kernel, pointers, consts, target,
+                   ms.merge_launch_options(here))
+    print(json.dumps({"kernel": "merge_pieces", "group_rows": block_h, **pieces}))
+consts = dict(OVERHEAD=sch.OVERHEAD_KEYS, PIECE=sch.PIECE_KEYS, LANES=sch.SEARCH_LANES,
+              MAX_PASSES=8, BLOCK_B=256)
+pointers = {n: "*i32" for n in sch._plan_schedule_kernel.arg_names if n.endswith("_ptr")}
+planner = build(sch._plan_schedule_kernel, pointers, consts, target, {"num_warps": 4})
+print(json.dumps({"kernel": "plan_schedule", **planner}))
 consts = dict(HEAD_DIM=576, BLOCK_R=qq._BLOCK_R, BLOCK_D=1024, FP8_DTYPE=tl_type[fp8],
               OUT_DTYPE=tl_type[fp8], FP8_EMULATE_MIN_EXP=None, FP8_MAX=mda._FP8_MAX[fp8])
 pointers = {"q_ptr": "*bf16", "out_ptr": "*" + tl_name[fp8], "scale_ptr": "*fp32"}
@@ -362,12 +399,13 @@ _SHARED_LIMIT = {"gfx942": 64 << 10, "gfx950": 160 << 10, "sm90": 227 << 10}
     ("backend", "arch"), [("hip", "gfx942"), ("hip", "gfx950"), ("cuda", "sm90")]
 )
 def test_default_configs_compile_for_gpus_without_spilling(backend, arch):
-    """Every stage-1 config of the target's tuned table (the merge, the fp8 Q quantization)
-    compiles for MI300X / MI355X / H100 with its launch options (HIP knobs included), fits
-    the LDS/shared memory, and spills no VGPRs on AMD. Stage 1 is built with the KV strides
-    known to be multiples of 16, as for every 576-wide cache (else gfx950's fp8 row-owned
-    groups load the tile byte by byte and spill 24 VGPRs); ``bench static`` compiles the
-    planned launches with all of the runtime's specialization."""
+    """Every stage-1 config of the target's tuned table (the merges, the schedule's planner,
+    the fp8 Q quantization) compiles for MI300X / MI355X / H100 with its launch options (HIP
+    knobs included), fits the LDS/shared memory, and spills no VGPRs on AMD. Stage 1 is
+    built with the KV strides known to be multiples of 16, as for every 576-wide cache
+    (else gfx950's fp8 row-owned groups load the tile byte by byte and spill 24 VGPRs);
+    ``bench static`` compiles the planned launches with all of the runtime's
+    specialization."""
     import json
     import os
     import subprocess
@@ -387,12 +425,19 @@ def test_default_configs_compile_for_gpus_without_spilling(backend, arch):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [k["kernel"] for k in kernels][-3:] == ["coverage", "merge", "quantize_q"]
-    coverage = kernels.pop(-3)
+    names = [k["kernel"] for k in kernels]
+    coverage = kernels[names.index("coverage")]
     assert coverage["unused_entries"] == [], "table entries no lookup reaches"
-    # Each KV kind of the table got at least one compiled stage-1 kernel.
-    kinds = {shape[2] for k in kernels[:-2] for shape in k["shapes"]}
+    kernels.remove(coverage)
+    names.remove("coverage")
+    # Each KV kind of the table got at least one compiled stage-1 kernel, and each of its
+    # row-group sizes a stage-2 merge of the schedule's partials.
+    stage1 = [k for k in kernels if k["kernel"] == "stage1"]
+    kinds = {shape[2] for k in stage1 for shape in k["shapes"]}
     assert kinds == {"16bit", "fp8", "fp32"}
+    groups = {k["config"]["block_h"] for k in stage1}
+    assert {k["group_rows"] for k in kernels if k["kernel"] == "merge_pieces"} == groups
+    assert names.count("merge") == names.count("plan_schedule") == names.count("quantize_q") == 1
     for k in kernels:
         assert k["shared"] <= _SHARED_LIMIT[arch], k
         assert k["vgpr_spill"] == 0, k
@@ -407,8 +452,8 @@ def test_default_configs_compile_for_gpus_without_spilling(backend, arch):
 def test_gpu_production_shapes(dtype, heads, q_len):
     lengths = [4096, 1, 0, 3001, 17, 8191, 640, 2]
     q, kv, bt, lens = problem(lengths, heads=heads, q_len=q_len, block=64, dtype=dtype, seed=9)
-    for splits in (None, 1, 7, 32):
-        (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens, splits=splits)
+    for slots in (None, 1, 7, 32):
+        (out, lse), (ref_out, ref_lse) = run_both(q, kv, bt, lens, slots=slots)
         assert_same_attention(out, lse, ref_out, ref_lse, TOL[dtype])
 
 

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 import rocm_mla
-from rocm_mla.kernels.merge_states import launch_merge, merge_states
+from rocm_mla.kernels.merge_states import launch_merge, launch_merge_pieces, merge_states
 from rocm_mla.kernels.target import TritonTarget, triton_target
 from rocm_mla.merge import torch_merge_states
 from tests.reference import assert_same_attention
@@ -235,6 +235,57 @@ def test_grouped_partials_skip_the_rows_that_pad_a_group():
     torch.testing.assert_close(
         lse.cpu(), ref_lse.reshape(15).cpu(), atol=1e-6, rtol=1e-6, equal_nan=True
     )
+
+
+@pytest.mark.parametrize(
+    "target",
+    [None, TritonTarget("hip", "gfx942", 304), TritonTarget("cuda", "sm90", 132)],
+    ids=["here", "gfx942", "sm90"],
+)
+def test_merge_pieces_writes_the_real_rows_of_the_cut_units_only(target):
+    """Stage 2 of the balanced schedule: 3 requests of 20 rows (S_q x H) in 16-row groups,
+    so a request's second group holds 4 real rows and 12 that pad it. Unit 1 (request 0's
+    second group) is cut into 3 segments, unit 4 (request 2's first) into 2; the tables
+    have room for 4 cut units (-1 past the last). Each cut unit's real rows are the merge
+    of its partials (broken and empty ones included); its pad rows' partials (NaN, +inf)
+    are never written anywhere, and no other unit's rows are touched."""
+    here = triton_target()
+    if target is not None and here.backend not in ("interpreter", target.backend):
+        pytest.skip(f"{target.backend} launch options on a {here.backend} GPU")
+    batch, rows, group_rows, dv = 3, 20, 16, 64
+    outs_a, lses_a = random_partials(3, (group_rows,), dv, seed=1)
+    outs_b, lses_b = random_partials(2, (group_rows,), dv, seed=2)
+    # Partials 0-2 (unit 1), 3-4 (unit 4), and a spare one no unit names.
+    part_out = torch.cat([outs_a, outs_b, torch.zeros(1, group_rows, dv, device=DEVICE)])
+    part_lse = torch.cat([lses_a, lses_b, torch.zeros(1, group_rows, device=DEVICE)])
+    part_out[0:3, 4:] = math.nan  # unit 1's pad rows (request rows 20..31 do not exist)
+    part_lse[0:3, 4:] = math.inf
+    unit_parts = torch.tensor(
+        [[-1, 1], [0, 3], [-1, 1], [-1, 1], [3, 2], [-1, 1]], dtype=torch.int32, device=DEVICE
+    )
+    split_units = torch.tensor([1, 4, -1, -1], dtype=torch.int32, device=DEVICE)
+    out = torch.full((batch, rows, dv), 7.0, device=DEVICE)
+    out_lse = torch.full((batch, rows), 7.0, device=DEVICE)
+    launch_merge_pieces(
+        part_out, part_lse, unit_parts, split_units, out, out_lse, num_groups=2, target=target
+    )
+    out, out_lse = out.cpu(), out_lse.cpu()
+    want_out, want_lse = merge_as_defined(part_out[0:3, :4], part_lse[0:3, :4])
+    torch.testing.assert_close(out[0, 16:].double(), want_out, atol=1e-6, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(
+        out_lse[0, 16:].double(), want_lse, atol=1e-6, rtol=1e-6, equal_nan=True
+    )
+    want_out, want_lse = merge_as_defined(part_out[3:5], part_lse[3:5])
+    torch.testing.assert_close(out[2, :16].double(), want_out, atol=1e-6, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(
+        out_lse[2, :16].double(), want_lse, atol=1e-6, rtol=1e-6, equal_nan=True
+    )
+    # Rows 1..5 of a partial hold the broken/empty cases: the merge saw them.
+    assert torch.isnan(out_lse[2, 2]) and out_lse[2, 1] == -math.inf
+    untouched = torch.ones(batch, rows, dtype=torch.bool)
+    untouched[0, 16:] = False
+    untouched[2, :16] = False
+    assert (out[untouched] == 7.0).all() and (out_lse[untouched] == 7.0).all()
 
 
 def test_launch_merge_names_mismatched_shapes():

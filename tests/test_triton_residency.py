@@ -1,12 +1,14 @@
-"""The split choice from the compiled kernel's residency (issue 20: real occupancy, whole waves).
+"""The slot count from the compiled kernel's residency (issue 20: real occupancy, whole waves).
 
 ``programs_per_cu`` compiles the planned stage 1 for sm90 / gfx942 / gfx950 (no GPU needed)
-and reads its registers and shared memory / LDS through ``kernels.residency``; the planner
-then sizes the grid in whole waves of ``num_cus x programs_per_cu``.
+and reads its registers and shared memory / LDS through ``kernels.residency``; the grid is
+then one program per resident slot, ``num_cus x programs_per_cu`` (exactly one wave), and the
+balanced schedule spreads the step's keys over those slots.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -16,6 +18,7 @@ pytest.importorskip("triton")
 
 from rocm_mla.kernels import mla_decode as kernel
 from rocm_mla.kernels import mla_decode_args, occupancy
+from rocm_mla.kernels import schedule as sch
 from rocm_mla.kernels.residency import resident_programs
 from rocm_mla.kernels.target import TritonTarget
 from rocm_mla.kernels.tuned_configs import LaunchConfig
@@ -57,11 +60,22 @@ def test_the_interpreter_holds_one_program_and_compiles_nothing(monkeypatch):
     assert occupancy.programs_per_cu(CONFIG, interpreter, kv_dtype=torch.float32) == 1
 
 
+def slot_loads(tables: sch.ScheduleTables) -> list[int]:
+    """Each slot's cost in the schedule's model: its segments' keys plus an overhead each."""
+    bounds = tables.slot_segments.tolist()
+    segments = tables.segments.tolist()
+    return [
+        sum(segments[i][2] - segments[i][1] + sch.OVERHEAD_KEYS for i in range(lo, hi))
+        for lo, hi in itertools.pairwise(bounds)
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", [SM90, GFX942, GFX950], ids=lambda t: t.arch)
-def test_planned_grids_fill_whole_waves_at_8_requests_of_32k_and_more(target):
-    """At B >= 8 x 32K the stage-1 grid is >= 0.9 of a whole number of waves of resident
-    programs (a partial last or first wave idles the rest of the chip)."""
+def test_planned_schedules_fill_the_one_wave_at_8_requests_of_32k_and_more(target):
+    """At B >= 8 x 32K the stage-1 grid is one program per resident slot (exactly one wave
+    of ``num_cus x programs_per_cu``) and the schedule keeps every slot busy: the mean
+    slot's cost is >= 0.9 of the busiest one's (the step's time), idle slots counting 0."""
     for heads, q_len, kv_dtype in [
         (16, 1, torch.bfloat16),
         (128, 1, torch.bfloat16),
@@ -70,26 +84,30 @@ def test_planned_grids_fill_whole_waves_at_8_requests_of_32k_and_more(target):
         (16, 4, torch.bfloat16),
     ]:
         for batch in (8, 32, 128):
-            config, splits = kernel.plan_launch(
-                batch=batch,
+            cache_bytes = batch * 32768 * 576 * kv_dtype.itemsize
+            config, slots = kernel.plan_launch(
                 q_len=q_len,
                 num_heads=heads,
                 kv_dtype=kv_dtype,
-                max_len=32768,
-                total_len=batch * 32768,
                 target=target,
+                cache_bytes=cache_bytes,
             )
-            slots = target.num_cus * kernel.programs_per_cu(
+            assert slots == target.num_cus * kernel.programs_per_cu(
                 config,
                 target,
                 kv_dtype=kv_dtype,
                 num_heads=heads,
                 q_len=q_len,
-                cache_bytes=batch * 32768 * 576 * kv_dtype.itemsize,
+                cache_bytes=cache_bytes,
             )
-            programs = batch * -(-(heads * q_len) // config.block_h) * splits
-            fill = programs / (-(-programs // slots) * slots)
-            assert fill >= 0.9, (target.arch, heads, q_len, kv_dtype, batch, splits, slots)
+            groups = -(-(heads * q_len) // config.block_h)
+            tables = sch.host_schedule(
+                [32768] * batch, num_groups=groups, num_slots=slots, capacity_keys=32768
+            )
+            loads = slot_loads(tables)
+            assert len(loads) == slots
+            fill = sum(loads) / len(loads) / max(loads)
+            assert fill >= 0.9, (target.arch, heads, q_len, kv_dtype, batch, slots, fill)
 
 
 @pytest.mark.slow

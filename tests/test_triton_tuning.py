@@ -1,9 +1,11 @@
-"""The tuned launch tables, the occupancy-based split choice, every config shape class the
+"""The tuned launch tables, the occupancy-based slot count, every config shape class the
 tables hand out, and the fp8-dot path, on the CPU interpreter (or a GPU when present).
 
 Shape classes run through ``kernels.mla_decode.mla_decode`` with the config forced, so the
 interpreter executes exactly the block shapes (16/32/64 rows, 16..64 keys, one or two Dv
-halves) and fp8 options a GPU would get from the table.
+halves) and fp8 options a GPU would get from the table; ``cut=True`` runs them over enough
+slots that the balanced schedule cuts every request longer than one 64-key piece (stage 1's
+partials and stage 2's merge), ``cut=False`` over one slot.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from rocm_mla.backends.triton import TritonMLAImpl
 from rocm_mla.inputs import prepare_decode
 from rocm_mla.kernels import mla_decode as kernel
 from rocm_mla.kernels import mla_decode_args
+from rocm_mla.kernels import schedule as sch
 from rocm_mla.kernels import tuned_configs as tables
-from rocm_mla.kernels.plan import MAX_SPLITS
 from rocm_mla.kernels.target import TritonTarget, triton_target
 from tests.reference import assert_same_attention, dense_mla_decode, make_paged_problem
+from tests.schedule_helpers import assert_cuts_long_requests, num_groups, piece_slots
 
 if TritonMLAImpl.unavailable_reason() is not None:
     pytest.skip(TritonMLAImpl.unavailable_reason(), allow_module_level=True)
@@ -51,7 +54,16 @@ def prepared(lengths, *, heads, q_len, block=16, dtype=torch.float32, seed=0, he
     return q, kv, bt, lens
 
 
-def run_kernel(q, kv, bt, lens, *, config, splits, head_dim_v=512, kv_scale=None):
+def run_kernel(q, kv, bt, lens, *, config, cut, head_dim_v=512, kv_scale=None, slots=None):
+    """``mla_decode`` with ``config``: with ``cut`` over one slot per piece, so the device
+    planner cuts every request of more than one piece (asserted), else over one slot;
+    ``slots`` forces the count instead (unchecked)."""
+    if slots is None:
+        capacity = bt.shape[1] * kv.shape[1]
+        groups = num_groups(heads=q.shape[2], q_len=q.shape[1], kv_dtype=kv.dtype, config=config)
+        slots = piece_slots(lens, groups=groups, capacity_keys=capacity) if cut else 1
+        if cut:
+            assert_cuts_long_requests(lens, groups=groups, slots=slots, capacity_keys=capacity)
     p = prepare_decode(
         q, kv, bt, lens, head_dim_v=head_dim_v, softmax_scale=None, causal=True, kv_scale=kv_scale
     )
@@ -63,7 +75,7 @@ def run_kernel(q, kv, bt, lens, *, config, splits, head_dim_v=512, kv_scale=None
         head_dim_v=head_dim_v,
         softmax_scale=p.softmax_scale,
         kv_scale=kv_scale,
-        num_kv_splits=splits,
+        num_slots=slots,
         config=config,
     )
 
@@ -187,7 +199,15 @@ def test_table_file_round_trip_and_bad_files(tmp_path):
         tables.LaunchConfig(block_h=64, block_n=64, num_warps=4, num_stages=1, dv_chunks=4)
 
 
-def test_occupancy_shapes_the_split_choice():
+def _segments_per_unit(tables: sch.ScheduleTables) -> dict[int, int]:
+    used = int(tables.slot_segments[-1])
+    counts: dict[int, int] = {}
+    for unit in tables.segments[:used, 0].tolist():
+        counts[unit] = counts.get(unit, 0) + 1
+    return counts
+
+
+def test_occupancy_shapes_the_slot_count():
     big = kernel.default_config(SM90, num_heads=128)
     # The 64 x 64 x 3-stage bf16 config fills an H200 SM's shared memory: one per SM.
     assert kernel.programs_per_cu(big, SM90, kv_dtype=torch.bfloat16) == 1
@@ -196,39 +216,31 @@ def test_occupancy_shapes_the_split_choice():
     # fp8 halves the tile: at least as many resident programs as bf16.
     fp8_count = kernel.programs_per_cu(small, SM90, kv_dtype=torch.float8_e4m3fn)
     assert fp8_count >= kernel.programs_per_cu(small, SM90, kv_dtype=torch.bfloat16)
-    # B1 H16 at 32K: a one-per-SM config splits up to the bound; more resident programs per
-    # SM can only ask for at least as many splits.
-    _, splits_big = kernel.plan_launch(
-        batch=1,
-        q_len=1,
-        num_heads=16,
-        kv_dtype=torch.bfloat16,
-        max_len=32768,
-        total_len=32768,
-        target=SM90,
+    # The slots are the SMs times the compiled kernel's residency: a config that holds more
+    # programs per SM gets more slots.
+    config_big, slots_big = kernel.plan_launch(
+        q_len=1, num_heads=16, kv_dtype=torch.bfloat16, target=SM90
     )
-    _, splits_small = kernel.plan_launch(
-        batch=1,
-        q_len=1,
-        num_heads=16,
-        kv_dtype=torch.bfloat16,
-        max_len=32768,
-        total_len=32768,
-        target=SM90,
-        config=small,
+    _, slots_small = kernel.plan_launch(
+        q_len=1, num_heads=16, kv_dtype=torch.bfloat16, target=SM90, config=small
     )
-    assert splits_big == MAX_SPLITS and splits_small >= splits_big
-    # B128 H128 at 32K: 128 x 2 groups already fill 132 SMs about twice over.
-    config, splits = kernel.plan_launch(
-        batch=128,
-        q_len=1,
-        num_heads=128,
-        kv_dtype=torch.bfloat16,
-        max_len=32768,
-        total_len=128 * 32768,
-        target=SM90,
+    assert slots_big == SM90.num_cus * kernel.programs_per_cu(
+        config_big, SM90, kv_dtype=torch.bfloat16, num_heads=16
     )
-    assert config.block_h == 64 and splits <= 2
+    assert slots_small > slots_big >= SM90.num_cus
+    # B1 H16 at 32K: the one request is cut over (almost) every slot, whole pieces each.
+    tables_ = sch.host_schedule([32768], num_groups=1, num_slots=slots_big, capacity_keys=32768)
+    assert tables_.used_slots >= 0.9 * slots_big
+    assert _segments_per_unit(tables_) == {0: tables_.used_slots}
+    # B128 H128 at 32K: 128 x 2 groups already fill 132 SMs about twice over: each unit
+    # walks at most two segments, and every slot holds work.
+    config, slots = kernel.plan_launch(q_len=1, num_heads=128, kv_dtype=torch.bfloat16, target=SM90)
+    groups = -(-128 // config.block_h)
+    tables_ = sch.host_schedule(
+        [32768] * 128, num_groups=groups, num_slots=slots, capacity_keys=32768
+    )
+    assert config.block_h == 64 and tables_.used_slots == slots == SM90.num_cus
+    assert max(_segments_per_unit(tables_).values()) <= 2
 
 
 def test_plan_launch_shrinks_rows_and_never_reads_a_tensor(monkeypatch):
@@ -239,41 +251,36 @@ def test_plan_launch_shrinks_rows_and_never_reads_a_tensor(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "item", no_sync)
     monkeypatch.setattr(torch.Tensor, "tolist", no_sync)
-    config, splits = kernel.plan_launch(
-        batch=4,
-        q_len=1,
-        num_heads=16,
-        kv_dtype=torch.bfloat16,
-        max_len=8192,
-        total_len=4 * 8192,
-        target=SM90,
+    config, slots = kernel.plan_launch(
+        q_len=1, num_heads=16, kv_dtype=torch.bfloat16, target=SM90, cache_bytes=1 << 30
     )
-    assert config.block_h == 16 and splits >= 1
-    config, _ = kernel.plan_launch(
-        batch=4,
-        q_len=2,
-        num_heads=16,
-        kv_dtype=torch.bfloat16,
-        max_len=8192,
-        total_len=4 * 8192,
-        target=SM90,
-    )
+    assert config.block_h == 16 and slots >= SM90.num_cus
+    config, _ = kernel.plan_launch(q_len=2, num_heads=16, kv_dtype=torch.bfloat16, target=SM90)
     assert config.block_h == 32
-    with pytest.raises(ValueError, match="num_kv_splits"):
+    with pytest.raises(ValueError, match="num_slots"):
         q, kv, bt, lens = prepared([5], heads=16, q_len=1)
-        run_kernel(q, kv, bt, lens, config=config, splits=0)
+        run_kernel(q, kv, bt, lens, config=config, cut=False, slots=0)
 
 
-def test_planned_call_makes_no_device_to_host_transfer(monkeypatch):
-    """mla_decode with num_kv_splits and config given reads no tensor on the host."""
-    q, kv, bt, lens = prepared([40, 7], heads=16, q_len=1, seed=2)
+@pytest.mark.parametrize("given", ["num_slots", "schedule"])
+def test_planned_call_makes_no_device_to_host_transfer(monkeypatch, given):
+    """mla_decode with the config and either the slots (the device planner runs inside) or
+    a ready schedule reads no tensor on the host; the 140-key request is cut, so stage 2
+    runs too."""
+    q, kv, bt, lens = prepared([140, 7], heads=16, q_len=1, seed=2)
     want, want_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
     p = prepare_decode(
         q, kv, bt, lens, head_dim_v=512, softmax_scale=None, causal=True, kv_scale=None
     )
-    config, splits = kernel.plan_launch(
-        batch=2, q_len=1, num_heads=16, kv_dtype=kv.dtype, max_len=40, total_len=47
-    )
+    config, slots = kernel.plan_launch(q_len=1, num_heads=16, kv_dtype=kv.dtype)
+    slots = max(slots, 4)
+    capacity = bt.shape[1] * kv.shape[1]
+    groups = num_groups(heads=16, q_len=1, kv_dtype=kv.dtype, config=config)
+    assert_cuts_long_requests(lens, groups=groups, slots=slots, capacity_keys=capacity)
+    schedule = None
+    if given == "schedule":
+        schedule = sch.empty_tables(2, groups, slots, q.device)
+        sch.device_schedule(p.cache_seqlens, schedule, capacity_keys=capacity)
 
     def no_sync(*args, **kwargs):
         raise AssertionError("a planned mla_decode read a tensor back to the host")
@@ -287,8 +294,9 @@ def test_planned_call_makes_no_device_to_host_transfer(monkeypatch):
         p.cache_seqlens,
         head_dim_v=512,
         softmax_scale=p.softmax_scale,
-        num_kv_splits=max(splits, 2),
         config=config,
+        schedule=schedule,
+        num_slots=None if schedule is not None else slots,
     )
     monkeypatch.undo()
     assert_same_attention(out, lse, want, want_lse, TOL[torch.float32])
@@ -342,18 +350,18 @@ def test_every_table_shape_class_matches_torch(shape, where, page):
         problem = prepared(
             [70, 3], heads=heads, q_len=q_len, block=page, dtype=torch.float16, seed=7
         )
-    assert_config_matches_torch(*problem, config=config, splits=2)
+    assert_config_matches_torch(*problem, config=config, cut=True)
 
 
-def assert_config_matches_torch(q, kv, bt, lens, *, config, splits):
+def assert_config_matches_torch(q, kv, bt, lens, *, config, cut):
     """Stage 1 with ``config`` against the torch reference: with fp8 dots on the cache
     quantized to e4m3 (scale 0.25), their rounding modelled; else to q's dtype's tolerance."""
     if config.fp8_qk or config.fp8_pv:
         kv8 = (kv / 0.25).to(torch.float8_e4m3fn)
-        out, lse = run_kernel(q, kv8, bt, lens, config=config, splits=splits, kv_scale=0.25)
+        out, lse = run_kernel(q, kv8, bt, lens, config=config, cut=cut, kv_scale=0.25)
         assert_fp8_dot_result(out, lse, q, kv8, bt, lens, 0.25, config)
         return
-    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=splits)
+    out, lse = run_kernel(q, kv, bt, lens, config=config, cut=cut)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[q.dtype])
 
@@ -375,7 +383,7 @@ def fold_scores_in_branch(monkeypatch, fold: bool) -> None:
     [
         (64, 16, False, 16, 4, [70, 3]),  # a 64-row window group (tail tiles of 16 keys)
         (64, 32, True, 128, 1, [66, 0]),  # AMD's fp8 row-owned shape, two 64-row groups
-        (32, 32, True, 12, 2, [45, 9]),  # a shrunk fp8 group of a window (tail of 32 keys)
+        (32, 32, True, 12, 2, [109, 9]),  # a shrunk fp8 group of a window (tail of 32 keys)
     ],
 )
 def test_softmax_in_or_out_of_a_branch_matches_torch(
@@ -395,53 +403,58 @@ def test_softmax_in_or_out_of_a_branch_matches_torch(
     if fp8:
         q, kv, bt, lens = prepared(lengths, heads=heads, q_len=q_len, block=64, seed=5)
         kv8 = (kv / 0.25).to(torch.float8_e4m3fn)
-        out, lse = run_kernel(q, kv8, bt, lens, config=config, splits=2, kv_scale=0.25)
+        out, lse = run_kernel(q, kv8, bt, lens, config=config, cut=True, kv_scale=0.25)
         assert_fp8_dot_result(out, lse, q, kv8, bt, lens, 0.25, config)
         return
     q, kv, bt, lens = prepared(lengths, heads=heads, q_len=q_len, block=64, dtype=torch.float16)
-    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=2)
+    out, lse = run_kernel(q, kv, bt, lens, config=config, cut=True)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float16])
 
 
 @pytest.mark.parametrize(
-    ("block_h", "block_n", "dv_chunks", "heads", "q_len", "lengths", "splits"),
+    ("block_h", "block_n", "dv_chunks", "heads", "q_len", "lengths", "cut"),
     [
-        (16, 16, 2, 1, 3, [37, 0], 1),  # H = 1: 3 real rows of 16
-        (32, 32, 2, 16, 2, [70, 5], 3),
-        (64, 64, 1, 128, 1, [66], 2),  # H = 128: two 64-row groups
-        (64, 16, 2, 20, 3, [19, 2, 0], 1),  # 60 rows, padded to 64
-        (64, 16, 2, 20, 3, [19, 2, 0], 3),  # the same through padded partials
-        (64, 64, 1, 48, 1, [66, 5, 0], 2),  # DCP4's 48 gathered heads in a 64-row group
+        (16, 16, 2, 1, 3, [37, 0], False),  # H = 1: 3 real rows of 16
+        (16, 16, 2, 1, 3, [101, 0], True),  # the same through partials of padded groups
+        (32, 32, 2, 16, 2, [70, 5], True),
+        (64, 64, 1, 128, 1, [66], True),  # H = 128: two 64-row groups
+        (64, 16, 2, 20, 3, [19, 2, 0], False),  # 60 rows, padded to 64
+        (64, 16, 2, 20, 3, [83, 2, 0], True),  # the same through padded partials
+        (64, 64, 1, 48, 1, [66, 5, 0], True),  # DCP4's 48 gathered heads in a 64-row group
+        (16, 16, 1, 8, 1, [150, 3], True),  # H = 8: 8 real rows of 16, cut in three
         # One request through padded partials: the batch stride addresses nothing.
-        (16, 16, 2, 1, 1, [37], 2),  # 1 real row of 16
-        (64, 64, 1, 48, 1, [66], 2),
+        (16, 16, 2, 1, 1, [101], True),  # 1 real row of 16
+        (64, 64, 1, 48, 1, [66], True),
     ],
 )
 def test_row_groups_and_dv_halves_across_head_counts(
-    block_h, block_n, dv_chunks, heads, q_len, lengths, splits
+    block_h, block_n, dv_chunks, heads, q_len, lengths, cut
 ):
+    """Rows that pad their group (H 1, 8, 20 x S_q 3 = 60, 48) through stage 1's direct
+    store (one slot) and through its partials (a slot for every row of the group, the pad
+    rows' never merged into the output) against torch."""
     config = tables.LaunchConfig(
         block_h=block_h, block_n=block_n, num_warps=4, num_stages=1, dv_chunks=dv_chunks
     )
     q, kv, bt, lens = prepared(lengths, heads=heads, q_len=q_len, seed=sum(lengths))
-    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=splits)
+    out, lse = run_kernel(q, kv, bt, lens, config=config, cut=cut)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float32])
 
 
 @pytest.mark.parametrize(
-    ("block_h", "block_n", "dv_chunks", "heads", "q_len", "lengths", "splits", "block", "kind"),
+    ("block_h", "block_n", "dv_chunks", "heads", "q_len", "lengths", "cut", "block", "kind"),
     [
-        (32, 64, 1, 96, 1, [70, 5], 2, 16, "fp16"),  # three 32-row groups, tiles over pages
-        (16, 64, 2, 12, 1, [70, 0], 1, 64, "fp16"),  # 12 rows of 16, V halves, one split
-        (32, 16, 1, 24, 4, [33, 50], 2, 16, "fp32"),  # a window's tail tiles of BLOCK_N keys
-        (32, 64, 1, 12, 2, [45, 9], 3, 64, "fp8"),  # fp8 dots, a window, rows padded
-        (32, 64, 1, 96, 1, [66, 3], 2, 64, "fp8"),
+        (32, 64, 1, 96, 1, [70, 5], True, 16, "fp16"),  # three 32-row groups, tiles over pages
+        (16, 64, 2, 12, 1, [70, 0], False, 64, "fp16"),  # 12 rows of 16, V halves, one slot
+        (32, 16, 1, 24, 4, [97, 50], True, 16, "fp32"),  # a window's tail tiles of BLOCK_N keys
+        (32, 64, 1, 12, 2, [109, 9], True, 64, "fp8"),  # fp8 dots, a window, rows padded
+        (32, 64, 1, 96, 1, [66, 3], True, 64, "fp8"),
     ],
 )
 def test_keys_as_m_matches_torch(
-    block_h, block_n, dv_chunks, heads, q_len, lengths, splits, block, kind
+    block_h, block_n, dv_chunks, heads, q_len, lengths, cut, block, kind
 ):
     """Keys as the dots' M (S^T = K Q^T, O^T = V^T P^T; sm90's fp8 groups under 64 rows):
     the same attention as the torch reference, the fp8 dots' rounding modelled."""
@@ -454,14 +467,15 @@ def test_keys_as_m_matches_torch(
     problem = prepared(
         lengths, heads=heads, q_len=q_len, block=block, dtype=dtype, seed=sum(lengths)
     )
-    assert_config_matches_torch(*problem, config=config, splits=splits)
+    assert_config_matches_torch(*problem, config=config, cut=cut)
 
 
 def test_dv_halves_with_a_dv_that_is_not_a_power_of_two():
-    """Dv 72 pads to 128: the second half holds 8 real columns and 56 masked ones."""
+    """Dv 72 pads to 128: the second half holds 8 real columns and 56 masked ones (through
+    the partials of the cut 140-key request too)."""
     config = tables.LaunchConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, dv_chunks=2)
-    q, kv, bt, lens = prepared([45, 12], heads=16, q_len=2, head_dim=100, seed=4)
-    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=2, head_dim_v=72)
+    q, kv, bt, lens = prepared([45, 140], heads=16, q_len=2, head_dim=100, seed=4)
+    out, lse = run_kernel(q, kv, bt, lens, config=config, cut=True, head_dim_v=72)
     ref_out, ref_lse = dense_mla_decode(q.cpu(), kv.cpu(), bt.cpu(), lens.cpu(), head_dim_v=72)
     assert_same_attention(out.cpu(), lse.cpu(), ref_out.float(), ref_lse.float(), 1e-5)
 
@@ -512,7 +526,7 @@ def test_fp8_dots_match_torch_with_the_rounding_modelled(fp8, fp8_qk, fp8_pv):
     )
     q, kv, bt, lens = prepared([77, 1, 0, 40], heads=16, q_len=2, seed=5)
     kv8 = (kv / 0.37).to(fp8)
-    out, lse = run_kernel(q, kv8, bt, lens, config=config, splits=2, kv_scale=0.37)
+    out, lse = run_kernel(q, kv8, bt, lens, config=config, cut=True, kv_scale=0.37)
     assert_fp8_dot_result(out, lse, q, kv8, bt, lens, 0.37, config)
 
 
@@ -522,7 +536,7 @@ def test_fp8_options_are_ignored_for_16_bit_caches():
         block_h=16, block_n=16, num_warps=4, num_stages=1, fp8_qk=True, fp8_pv=True
     )
     q, kv, bt, lens = prepared([33, 4], heads=16, q_len=1, dtype=torch.float16, seed=3)
-    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=1)
+    out, lse = run_kernel(q, kv, bt, lens, config=config, cut=False)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float16])
 
@@ -619,42 +633,57 @@ def test_amd_compute_bound_configs_on_the_interpreter(target, heads, q_len, kind
         assert config.rows_per_warp == 16 and config.block_h == 16 * config.num_warps
         assert -(-(heads * q_len) // config.block_h) * config.block_h <= 1.15 * heads * q_len
         assert config.num_stages >= 2
+    # 69 keys: two pieces, cut; a window of up to 7 keys (62..68) across the cut at 64.
     if kind == "fp8":
-        q, kv, bt, lens = prepared([37, 5], heads=heads, q_len=q_len, seed=heads)
+        q, kv, bt, lens = prepared([69, 5], heads=heads, q_len=q_len, seed=heads)
         kv8 = (kv.float() / 0.25).to(fp8)
-        out, lse = run_kernel(q, kv8, bt, lens, config=config, splits=2, kv_scale=0.25)
+        out, lse = run_kernel(q, kv8, bt, lens, config=config, cut=True, kv_scale=0.25)
         assert_fp8_dot_result(out, lse, q, kv8, bt, lens, 0.25, config)
         return
-    q, kv, bt, lens = prepared([37, 5], heads=heads, q_len=q_len, dtype=torch.float16, seed=heads)
-    out, lse = run_kernel(q, kv, bt, lens, config=config, splits=2)
+    q, kv, bt, lens = prepared([69, 5], heads=heads, q_len=q_len, dtype=torch.float16, seed=heads)
+    out, lse = run_kernel(q, kv, bt, lens, config=config, cut=True)
     ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
     assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float16])
 
 
-def test_padded_rows_need_a_slot_for_every_row():
-    """``rows_padded`` makes stage 1 write every row of every group: buffers without those
-    slots are refused before the launch."""
+def test_stage1_refuses_partials_without_a_slot_for_every_row_of_a_group():
+    """Stage 1 stores a cut unit's partial unmasked, a row for each of the group's BLOCK_H
+    rows (pad rows included), with unit strides in the last dims; ``_stage1_arguments``
+    refuses any other partial buffer (and final rows whose S_q and H are not adjacent)
+    before the launch."""
     q, kv, bt, lens = prepared([20, 3], heads=20, q_len=3)
     config = tables.LaunchConfig(block_h=64, block_n=16, num_warps=4, num_stages=1)
     target = triton_target()
     dot_types = mla_decode_args._dot_types(q.dtype, kv.dtype, target, config)
+    tables_ = sch.host_schedule([20, 3], num_groups=1, num_slots=2, capacity_keys=32)
+    out = torch.empty(2, 3, 20, 512, device=DEVICE)
+    lse = torch.empty(2, 3, 20, device=DEVICE)
 
-    def arguments(out, lse):
+    def arguments(part_out, part_lse, out=out, lse=lse):
         return mla_decode_args._stage1_arguments(
-            q, None, kv, bt, lens, out, lse, None, head_dim_v=512, softmax_scale=0.1,
-            causal=True, kv_scale=None, num_groups=1, num_kv_splits=2, config=config,
-            target=target, dot_types=dot_types, rows_padded=True,
+            q, None, kv, bt, lens, tables_.slot_segments, tables_.segments, out, lse,
+            part_out, part_lse, None, head_dim_v=512, softmax_scale=0.1, causal=True,
+            kv_scale=None, num_groups=1, config=config, target=target, dot_types=dot_types,
         )  # fmt: skip
 
-    out, lse, rows_padded = mla_decode_args._partials(2, 2, 3, 20, 512, 64, DEVICE)
-    assert rows_padded and out.stride(1) == 64 * 512 and lse.stride(1) == 64
-    arguments(out, lse)
-    plain = torch.empty(2, 2, 3, 20, 512, device=DEVICE), torch.empty(2, 2, 3, 20, device=DEVICE)
-    with pytest.raises(RuntimeError, match="part_out must hold 1 x 64 rows per request"):
-        arguments(*plain)
-    # One request: its slot must lie inside the storage, whatever stride B = 1 shows.
-    q, kv, bt, lens = prepared([20], heads=20, q_len=3)
-    arguments(*mla_decode_args._partials(2, 1, 3, 20, 512, 64, DEVICE)[:2])
-    short = torch.empty(2, 1, 3, 20, 512, device=DEVICE), torch.empty(2, 1, 3, 20, device=DEVICE)
-    with pytest.raises(RuntimeError, match=r"part_out must hold .* storage of 245760 bytes"):
-        arguments(*short)
+    part_out, part_lse = mla_decode_args._partials(2, 64, 512, DEVICE)
+    assert part_out.shape == (2, 64, 512) and part_lse.shape == (2, 64)
+    grid, _, _ = arguments(part_out, part_lse)
+    assert grid == (2,)  # one program per slot
+    malformed = [
+        (torch.empty(2, 60, 512), torch.empty(2, 60)),  # S_q x H rows, not BLOCK_H
+        (torch.empty(2, 2, 64, 512), torch.empty(2, 2, 64)),  # per request, the old layout
+        (torch.empty(2, 64, 1024)[..., ::2], part_lse),  # Dv strided
+        (part_out, torch.empty(2, 128)[:, ::2]),  # the lse's rows strided
+        (part_out, torch.empty(3, 64)),  # an lse of other partials
+    ]
+    for bad_out, bad_lse in malformed:
+        with pytest.raises(RuntimeError, match=r"partials must be \[P, 64, Dv\]"):
+            arguments(bad_out.to(DEVICE), bad_lse.to(DEVICE))
+    # The final rows: query i, head h at row i x H + h (S_q and H adjacent).
+    heads_first = torch.empty(2, 20, 3, 512, device=DEVICE).transpose(1, 2)
+    with pytest.raises(RuntimeError, match="out must hold S_q and H adjacent"):
+        arguments(part_out, part_lse, out=heads_first)
+    heads_first = torch.empty(2, 20, 3, device=DEVICE).transpose(1, 2)
+    with pytest.raises(RuntimeError, match="lse must hold S_q and H adjacent"):
+        arguments(part_out, part_lse, lse=heads_first)

@@ -46,9 +46,11 @@ def test_first_decode_line_states_backend_target_and_launch(backend):
     assert line.startswith(f"rocm-mla: decode with {backend} (")
     assert line.endswith(") for 12 heads, q_len 4, kv float32")
     if backend == "triton":
-        config, splits = plan.launch
+        launch = plan.launch
+        config = launch.config
         assert f"BLOCK_H {config.block_h}, BLOCK_N {config.block_n}" in line
-        assert f"{config.num_warps} warps, {splits} KV split" in line
+        assert f"{config.num_warps} warps, {launch.balanced}" in line
+        assert f"{launch.num_slots} slots" in launch.balanced
         assert "interpreter" in line
     else:
         assert line.startswith("rocm-mla: decode with torch (cpu)")
