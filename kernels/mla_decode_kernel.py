@@ -134,6 +134,7 @@ def _fold_scores(
 
 @triton.jit
 def _attend_tile(
+    zero,  # 0, loaded per segment (see _mla_decode_stage1)
     first,  # the tile's first key position
     lo,  # with ROWS_DIFFER: keys below it are not seen
     end,
@@ -182,8 +183,8 @@ def _attend_tile(
     a lower one), else the scalar ``end``. ``TILE_IN_PAGE``: the tile lies in one page (one
     block id; ``next_block`` is then a scalar). Returns ``(running_max, denom, acc, acc_hi,
     next_block)``."""
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_dr = tl.arange(0, BLOCK_DR)
+    offs_dv = tl.arange(0, BLOCK_DV) + zero
+    offs_dr = tl.arange(0, BLOCK_DR) + zero
     dv_mask = offs_dv < HEAD_DIM_V
     dv_mask_hi = BLOCK_DV + offs_dv < HEAD_DIM_V
     dr_mask = offs_dr < ROPE_DIM
@@ -341,6 +342,7 @@ def _attend_tile(
 
 @triton.jit
 def _store_rows(
+    zero,
     out_rows,  # [BLOCK_H] pointers to each row's first output value
     lse_rows,  # [BLOCK_H] pointers to each row's lse
     out,
@@ -356,7 +358,7 @@ def _store_rows(
     Masks are written apart from the q loads' (which CSE would merge and keep live through
     the walk), and there are none where every row has a slot and every column is real
     (``FULL_ROWS``): no row mask then stays live through the walk either."""
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = tl.arange(0, BLOCK_DV) + zero
     FULL: tl.constexpr = FULL_ROWS and HEAD_DIM_V == BLOCK_DV * DV_CHUNKS
     if FULL:
         tl.store(out_rows[:, None] + offs_dv[None, :], out)
@@ -388,6 +390,7 @@ def _decode_segment(
     seg_start,  # the segment's keys: [seg_start, seg_stop), multiples of the tile
     seg_stop,
     part,  # its partial slot, or -1: the unit's only segment writes the final rows
+    zero,  # 0, loaded per segment (see _mla_decode_stage1)
     q_ptr,
     q_scale_ptr,
     kv_ptr,
@@ -471,8 +474,8 @@ def _decode_segment(
     )
     start = tl.minimum(seg_start.to(tl.int64), end).to(tl.int32)
 
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_dr = tl.arange(0, BLOCK_DR)
+    offs_dv = tl.arange(0, BLOCK_DV) + zero
+    offs_dr = tl.arange(0, BLOCK_DR) + zero
     dv_mask = offs_dv < HEAD_DIM_V
     dv_mask_hi = BLOCK_DV + offs_dv < HEAD_DIM_V
     dr_mask = offs_dr < ROPE_DIM
@@ -584,6 +587,7 @@ def _decode_segment(
     num_tiles = tl.where(shared_end > start, (shared_end - start - 1) // BLOCK_N + 1, 0)
     for tile in range(0, num_tiles):
         running_max, denom, acc, acc_hi, next_block = _attend_tile(
+            zero,
             start + tile * BLOCK_N,
             start,
             shared_end,
@@ -636,6 +640,7 @@ def _decode_segment(
         num_tail = tl.where(end > shared_end, (end - 1 - aligned) // BLOCK_W + 1, 0)
         for tile in tl.range(0, num_tail, num_stages=1):
             running_max, denom, acc, acc_hi, no_ids = _attend_tile(
+                zero,
                 aligned + tile * BLOCK_W,
                 shared_end,
                 end,
@@ -701,8 +706,9 @@ def _decode_segment(
     out_hi = tl.where(empty[:, None], 0.0, acc_hi * norm[:, None]) if DV_CHUNKS == 2 else out
     if part >= 0:
         # A partial has a slot for every row of the group (padding rows included).
-        in_group = tl.arange(0, BLOCK_H).to(tl.int64)
+        in_group = (tl.arange(0, BLOCK_H) + zero).to(tl.int64)
         _store_rows(
+            zero,
             part_out_ptr + part.to(tl.int64) * stride_part_p + in_group * stride_part_r,
             part_lse_ptr + part.to(tl.int64) * stride_part_lse_p + in_group,
             out,
@@ -716,6 +722,7 @@ def _decode_segment(
         )
     else:
         _store_rows(
+            zero,
             out_ptr + b.to(tl.int64) * stride_out_b + rows.to(tl.int64) * stride_out_h,
             lse_ptr + b.to(tl.int64) * stride_lse_b + rows.to(tl.int64) * stride_lse_h,
             out,
@@ -797,12 +804,20 @@ def _mla_decode_stage1(
     end_segment = tl.load(slot_segments_ptr + slot + 1)
     for segment in range(first_segment, end_segment):
         unit = tl.load(segments_ptr + segment * 4)
+        seg_start = tl.load(segments_ptr + segment * 4 + 1)
+        # A zero the compiler cannot see as one (a segment starts at a key >= 0), added to
+        # the column offsets of the q loads, the tiles and the stores: they then depend on
+        # the segment, so they are recomputed in each one rather than hoisted out of this
+        # loop, where their broadcast index tiles stayed live through the walk (sm90 H128:
+        # 212 B of spills). Its multiple_of keeps the offsets' alignment known.
+        zero = tl.multiple_of(tl.minimum(seg_start, 0), 16)
         _decode_segment(
             unit // num_groups,
             unit % num_groups,
-            tl.load(segments_ptr + segment * 4 + 1),
+            seg_start,
             tl.load(segments_ptr + segment * 4 + 2),
             tl.load(segments_ptr + segment * 4 + 3),
+            zero,
             q_ptr,
             q_scale_ptr,
             kv_ptr,
