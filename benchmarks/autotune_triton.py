@@ -122,6 +122,7 @@ def planned_schedule(problem, config, slots: int | None = None):
         num_groups=groups,
         num_slots=slots,
         capacity_keys=capacity,
+        num_pools=config.num_xcds,
         device=problem.q.device,
     )
 

@@ -243,6 +243,7 @@ def planned_triton(problem, lens_host: torch.Tensor):
         num_groups=-(-(q_len * heads) // config.block_h),
         num_slots=slots,
         capacity_keys=problem.block_table.shape[1] * kv.shape[1],
+        num_pools=config.num_xcds,
         device=problem.q.device,
     )
     entry = kernel.table_entry(target, num_heads=heads, q_len=q_len, kv_dtype=kv.dtype)

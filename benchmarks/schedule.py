@@ -18,9 +18,12 @@ Cost model (key-units; ``schedule.PIECE_KEYS`` = 64, ``schedule.OVERHEAD_KEYS`` 
 ``ceil(k / 64) * 64 + 84`` (a masked tile costs as much as a full one; 84 is its prologue,
 partial and merge read-back). A zero-length one costs 84. Per schedule:
 
-- balanced (ours, ``kernels.schedule.host_schedule``): persistent, slot ``s``'s load is the
-  sum of its segments' costs ``(end - first) + 84`` (segments are whole 64-key pieces);
-  makespan = the largest slot load.
+- balanced (ours, ``kernels.schedule.host_schedule``): one program per segment in the
+  planner's launch order (``kernels.schedule``: "Launch order"), list-scheduled onto the
+  earliest-free slot of the program's pool (AMD: XCD ``p % 8``, ``S / 8`` slots each; one
+  pool on sm90), each costing ``(end - first) + 84`` (segments are whole 64-key pieces);
+  makespan = the last finish, checked to be within the packing's own (its largest slot
+  load, ``planned_makespan`` in the JSON).
 - old uniform split (``plan.choose_num_kv_splits(B, G, mean, max, S)``): every request in that
   many splits, split ``i`` covering ``[i * chunk, (i + 1) * chunk)`` clipped to ``L``, with
   ``chunk = ceil(ceil(L / splits) / block_n) * block_n``; programs in the old kernel's launch
@@ -242,12 +245,17 @@ def lower_bound_c(lengths: list[int], num_groups: int, num_slots: int, lb_b: int
     return low
 
 
-def balanced_loads(lengths: list[int], num_groups: int, num_slots: int) -> dict:
-    """Per-slot loads of ``host_schedule``'s tables, and what they cut."""
-    from rocm_mla.kernels.schedule import host_schedule
+def balanced_loads(lengths: list[int], num_groups: int, num_slots: int, num_pools: int) -> dict:
+    """Per-slot finish times of ``host_schedule``'s launch order, list-scheduled per pool
+    (``loads``), the packing's own slot loads (``planned``), and what they cut."""
+    from rocm_mla.kernels.schedule import host_schedule, list_scheduled_loads, schedule_entries
 
     tables = host_schedule(
-        lengths, num_groups=num_groups, num_slots=num_slots, capacity_keys=1 << 30
+        lengths,
+        num_groups=num_groups,
+        num_slots=num_slots,
+        capacity_keys=1 << 30,
+        num_pools=num_pools,
     )
     bounds = tables.slot_segments.tolist()
     segments = tables.segments.tolist()
@@ -266,7 +274,10 @@ def balanced_loads(lengths: list[int], num_groups: int, num_slots: int) -> dict:
         if keys != want:
             raise RuntimeError(f"balanced schedule covers {keys} keys of unit {u}, not {want}")
     split = [u for u in tables.split_units.tolist() if u >= 0]
-    return {"loads": loads, "split_units": len(split)}
+    ran = list_scheduled_loads(schedule_entries(tables), num_slots, num_pools, overhead)
+    if max(ran) > max(loads):
+        raise RuntimeError(f"launch order ran {max(ran)} past the plan's {max(loads)}")
+    return {"loads": ran, "planned": loads, "split_units": len(split)}
 
 
 def old_programs(lengths: list[int], num_groups: int, splits: int, block_n: int) -> list[int]:
@@ -365,7 +376,7 @@ def measure(target: Target, heads: int, q_len: int, kind: str, mix: str, lengths
     """One row: the three schedules' makespans, the bounds, ratios and gates."""
     config, groups, ppc, slots, splits = _plan(target, heads, q_len, kind, lengths, ppc)
     lb_a, lb_b = lower_bounds(lengths, groups, slots)
-    balanced = balanced_loads(lengths, groups, slots)
+    balanced = balanced_loads(lengths, groups, slots, config.num_xcds)
     makespans = {
         "old": max(old_loads(lengths, groups, slots, splits, config.block_n)),
         "balanced": max(balanced["loads"]),
@@ -414,6 +425,8 @@ def measure(target: Target, heads: int, q_len: int, kind: str, mix: str, lengths
         "old_programs": len(lengths) * groups * splits,
         "balanced_slots_used": sum(1 for x in balanced["loads"] if x),
         "balanced_split_units": balanced["split_units"],
+        "pools": config.num_xcds,
+        "planned_makespan": max(balanced["planned"]),
         "lb_a": round(lb_a, 2),
         "lb_b": lb_b,
         "lb_c": lb_c,
@@ -683,7 +696,7 @@ def plot(payload: dict, path: Path) -> None:
         f"old uniform split ({row['old_splits']} splits)": old_loads(
             lengths, groups, slots, row["old_splits"], row["block_n"]
         ),
-        "balanced (ours)": balanced_loads(lengths, groups, slots)["loads"],
+        "balanced (ours)": balanced_loads(lengths, groups, slots, row.get("pools", 1))["loads"],
         "FlashMLA reference": flashmla_loads(lengths, groups, slots),
     }
     fig, axes = plt.subplots(1, 2, figsize=(15, 5), sharey=True)

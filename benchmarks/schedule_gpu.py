@@ -8,7 +8,8 @@ e4m3 cache on a few mixes; page 64, D 576 / Dv 512, random data, shuffled block 
 - ``balanced``: ``kernels.mla_decode.mla_decode(..., config=config, schedule=tables)``,
   ``(config, slots) = plan.plan_launch(...)`` and ``tables = schedule.host_schedule(lengths,
   num_groups=G, num_slots=slots, capacity_keys=...)`` made on the host outside the timed
-  region (the launch fills ``tables.used_slots`` programs);
+  region (the launch runs ``tables.num_programs`` programs, one per segment in launch
+  order);
 - ``device``: the same call with ``schedule=None, num_slots=slots``: the device planner
   (one small launch, plus the zeroed tables it fills) runs inside the timed region;
 - ``planner``: that planner launch alone, into tables allocated outside (informational);
@@ -238,7 +239,9 @@ def plan_case(case: Case, inputs: Inputs, *, slots: int | None = None, target=No
         groups=groups,
         slots=slots,
         splits=splits,
-        balanced=sch.host_schedule(lengths, num_slots=slots, **common_args),
+        balanced=sch.host_schedule(
+            lengths, num_slots=slots, num_pools=config.num_xcds, **common_args
+        ),
         uniform=sch.uniform_schedule(lengths, splits=splits, **common_args),
     )
 
@@ -302,6 +305,7 @@ def tables_equal(a, b) -> bool:
         torch.equal(a.segments[:n].cpu(), b.segments[:n].cpu())
         and torch.equal(a.unit_parts.cpu(), b.unit_parts.cpu())
         and torch.equal(a.split_units.cpu(), b.split_units.cpu())
+        and torch.equal(a.launch_order.cpu(), b.launch_order.cpu())
     )
 
 
@@ -349,7 +353,9 @@ def measure(
     def device_planned():
         return kernel.mla_decode(*args, schedule=None, num_slots=plan.slots, **common_kw)
 
-    planner_tables = sch.empty_tables(len(inputs.lengths), plan.groups, plan.slots, device)
+    planner_tables = sch.empty_tables(
+        len(inputs.lengths), plan.groups, plan.slots, device, plan.config.num_xcds
+    )
 
     def planner():
         sch.device_schedule(inputs.seqlens, planner_tables, capacity_keys=inputs.capacity_keys)

@@ -160,7 +160,7 @@ def mla_decode(
             raise ValueError(
                 f"mla_decode: num_slots must be an int >= 1 or None, got {num_slots!r}"
             )
-        schedule = empty_tables(batch, num_groups, num_slots, q.device)
+        schedule = empty_tables(batch, num_groups, num_slots, q.device, config.num_xcds)
         device_schedule(
             cache_seqlens, schedule, capacity_keys=block_table.shape[1] * kv_cache.shape[1]
         )
@@ -191,7 +191,7 @@ def mla_decode(
         kv_cache,
         block_table,
         cache_seqlens,
-        schedule.slot_segments,
+        schedule.launch_order,
         schedule.segments,
         out,
         lse,
@@ -207,9 +207,9 @@ def mla_decode(
         target=target,
         dot_types=dot_types,
     )
-    # A host-made schedule knows the slots it fills: a small step launches that few.
-    if schedule.used_slots is not None:
-        grid = (schedule.used_slots,)
+    # A host-made schedule knows its programs: a small step launches that few.
+    if schedule.num_programs is not None:
+        grid = (schedule.num_programs,)
     _mla_decode_stage1[grid](*args, **kwargs)
     if partials > 0:
         launch_merge_pieces(

@@ -200,7 +200,7 @@ def _stage1_arguments(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    slot_segments: torch.Tensor,
+    launch_order: torch.Tensor,
     segments: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
@@ -220,16 +220,16 @@ def _stage1_arguments(
     """``(grid, args, kwargs)`` of the stage-1 launch: what ``mla_decode`` runs and what
     ``programs_per_cu`` compiles (on meta tensors) to read the kernel's resources. ``q`` and
     ``q_scale`` as ``_stage1_q`` gives them; ``dot_types`` from the caller's q dtype.
-    ``slot_segments`` / ``segments``: a schedule's tables (``schedule.py``), one program per
-    slot; ``out`` / ``lse`` the final ``[B, S_q, H(, Dv)]`` rows, ``part_out`` / ``part_lse``
-    the ``_partials`` of its cut units."""
+    ``launch_order`` / ``segments``: a schedule's tables (``schedule.py``), one program per
+    launch position; ``out`` / ``lse`` the final ``[B, S_q, H(, Dv)]`` rows, ``part_out`` /
+    ``part_lse`` the ``_partials`` of its cut units."""
     _, q_len, num_heads, head_dim = q.shape
     rope_dim = head_dim - head_dim_v
     dequant = 1.0 if kv_scale is None else float(kv_scale)
     padded_dv = max(16, triton.next_power_of_2(head_dim_v))
     # Two V halves only when each half is still a whole dot tile.
     dv_chunks = config.dv_chunks if padded_dv >= 32 else 1
-    grid = (slot_segments.shape[0] - 1,)
+    grid = (launch_order.shape[0],)
     # A causal verify window's own keys (S_q - 1) go through tail tiles of BLOCK_W keys: as
     # few as hold them, at least the K of one dot (32 for fp8 operands), at most BLOCK_N.
     fp8_dot = dot_types["QK_FP8"] or dot_types["PV_FP8"]
@@ -267,7 +267,7 @@ def _stage1_arguments(
         kv_cache,
         block_table,
         cache_seqlens,
-        slot_segments,
+        launch_order,
         segments,
         out,
         lse,

@@ -7,14 +7,15 @@ folds them into the head axis: row ``r = i * H + h`` of a request is query posit
 head ``h``, and a program serves ``BLOCK_H`` such rows at once (64 on Hopper, the M of one
 wgmma), so each KV tile is loaded once for all of them.
 
-Stage 1: one program per (request, row group, KV split). It walks its slice of the request's
-keys in ``[BLOCK_N, D]`` tiles gathered through the block table. Each tile is loaded once
-and serves both ``Q K^T`` (all ``D`` columns) and ``P V`` (its first ``Dv`` columns); with
-``dv_chunks=2`` the V columns and the accumulator are two ``Dv/2`` halves, two smaller dots
-that reuse one ``P``. The softmax is online, in fp32 and base 2; each split writes its
-normalized fp32 output and its natural-log lse. With one split it writes the final output.
+Stage 1: one program per segment of the balanced schedule (``schedule.py``): a request, a
+row group and a key range. It walks that slice of the request's keys in ``[BLOCK_N, D]``
+tiles gathered through the block table. Each tile is loaded once and serves both ``Q K^T``
+(all ``D`` columns) and ``P V`` (its first ``Dv`` columns); with ``dv_chunks=2`` the V
+columns and the accumulator are two ``Dv/2`` halves, two smaller dots that reuse one ``P``.
+The softmax is online, in fp32 and base 2; a segment of a cut unit writes its normalized
+fp32 partial and its natural-log lse; a unit's only segment writes the final output.
 
-Stage 2: the exact LSE merge of the splits (``merge_states.launch_merge``).
+Stage 2: the exact LSE merge of the partials (``merge_states.launch_merge_pieces``).
 
 fp8 caches carry one per-tensor dequant scale: it multiplies the softmax scale for ``Q K^T``
 and the output for ``P V``, so tiles are never rescaled inside the loop. Where the hardware
@@ -46,30 +47,6 @@ _FAULT_BLOCK_ID = tl.constexpr(FAULT_BLOCK_ID)
 _FAULT_BEYOND_TABLE = tl.constexpr(FAULT_BEYOND_TABLE)
 #: Block-table columns stage 1 checks per step of its bad-id scan.
 _BLOCK_C = tl.constexpr(256)
-
-
-@triton.jit
-def _remap_for_xcds(pid, num_programs, NUM_XCDS: tl.constexpr):
-    """Renumber program ids so that consecutive new ids run on the same XCD.
-
-    The hardware hands workgroup ``pid`` to XCD ``pid % NUM_XCDS``. Inverting that, XCD ``x``
-    receives the contiguous new-id range ``[x * per_xcd, ...)`` (the first ``tall`` XCDs get
-    ``per_xcd`` programs, the rest one fewer), so programs that read the same KV tiles (the
-    row groups of one request and split, numbered consecutively) share one L2.
-    """
-    if NUM_XCDS == 1:
-        new_pid = pid
-    else:
-        per_xcd = (num_programs + NUM_XCDS - 1) // NUM_XCDS
-        tall = num_programs - (per_xcd - 1) * NUM_XCDS
-        xcd = pid % NUM_XCDS
-        local = pid // NUM_XCDS
-        new_pid = tl.where(
-            xcd < tall,
-            xcd * per_xcd + local,
-            tall * per_xcd + (xcd - tall) * (per_xcd - 1) + local,
-        )
-    return new_pid
 
 
 @triton.jit
@@ -134,7 +111,6 @@ def _fold_scores(
 
 @triton.jit
 def _attend_tile(
-    zero,  # 0, loaded per segment (see _mla_decode_stage1)
     first,  # the tile's first key position
     lo,  # with ROWS_DIFFER: keys below it are not seen
     end,
@@ -183,8 +159,8 @@ def _attend_tile(
     a lower one), else the scalar ``end``. ``TILE_IN_PAGE``: the tile lies in one page (one
     block id; ``next_block`` is then a scalar). Returns ``(running_max, denom, acc, acc_hi,
     next_block)``."""
-    offs_dv = tl.arange(0, BLOCK_DV) + zero
-    offs_dr = tl.arange(0, BLOCK_DR) + zero
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, BLOCK_DR)
     dv_mask = offs_dv < HEAD_DIM_V
     dv_mask_hi = BLOCK_DV + offs_dv < HEAD_DIM_V
     dr_mask = offs_dr < ROPE_DIM
@@ -342,7 +318,6 @@ def _attend_tile(
 
 @triton.jit
 def _store_rows(
-    zero,
     out_rows,  # [BLOCK_H] pointers to each row's first output value
     lse_rows,  # [BLOCK_H] pointers to each row's lse
     out,
@@ -358,7 +333,7 @@ def _store_rows(
     Masks are written apart from the q loads' (which CSE would merge and keep live through
     the walk), and there are none where every row has a slot and every column is real
     (``FULL_ROWS``): no row mask then stays live through the walk either."""
-    offs_dv = tl.arange(0, BLOCK_DV) + zero
+    offs_dv = tl.arange(0, BLOCK_DV)
     FULL: tl.constexpr = FULL_ROWS and HEAD_DIM_V == BLOCK_DV * DV_CHUNKS
     if FULL:
         tl.store(out_rows[:, None] + offs_dv[None, :], out)
@@ -390,7 +365,6 @@ def _decode_segment(
     seg_start,  # the segment's keys: [seg_start, seg_stop), multiples of the tile
     seg_stop,
     part,  # its partial slot, or -1: the unit's only segment writes the final rows
-    zero,  # 0, loaded per segment (see _mla_decode_stage1)
     q_ptr,
     q_scale_ptr,
     kv_ptr,
@@ -445,7 +419,7 @@ def _decode_segment(
     HAS_FAULT_FLAG: tl.constexpr,
     PREFETCH_IDS: tl.constexpr,
 ):
-    """One segment of a slot's list (``_mla_decode_stage1``): walk the request's keys
+    """One segment of the schedule (``_mla_decode_stage1``): walk the request's keys
     ``[seg_start, seg_stop)`` for one row group, write its partial or its final rows."""
     seqlen = tl.load(seqlens_ptr + b)
     rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -474,8 +448,8 @@ def _decode_segment(
     )
     start = tl.minimum(seg_start.to(tl.int64), end).to(tl.int32)
 
-    offs_dv = tl.arange(0, BLOCK_DV) + zero
-    offs_dr = tl.arange(0, BLOCK_DR) + zero
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, BLOCK_DR)
     dv_mask = offs_dv < HEAD_DIM_V
     dv_mask_hi = BLOCK_DV + offs_dv < HEAD_DIM_V
     dr_mask = offs_dr < ROPE_DIM
@@ -587,7 +561,6 @@ def _decode_segment(
     num_tiles = tl.where(shared_end > start, (shared_end - start - 1) // BLOCK_N + 1, 0)
     for tile in range(0, num_tiles):
         running_max, denom, acc, acc_hi, next_block = _attend_tile(
-            zero,
             start + tile * BLOCK_N,
             start,
             shared_end,
@@ -640,7 +613,6 @@ def _decode_segment(
         num_tail = tl.where(end > shared_end, (end - 1 - aligned) // BLOCK_W + 1, 0)
         for tile in tl.range(0, num_tail, num_stages=1):
             running_max, denom, acc, acc_hi, no_ids = _attend_tile(
-                zero,
                 aligned + tile * BLOCK_W,
                 shared_end,
                 end,
@@ -706,9 +678,8 @@ def _decode_segment(
     out_hi = tl.where(empty[:, None], 0.0, acc_hi * norm[:, None]) if DV_CHUNKS == 2 else out
     if part >= 0:
         # A partial has a slot for every row of the group (padding rows included).
-        in_group = (tl.arange(0, BLOCK_H) + zero).to(tl.int64)
+        in_group = tl.arange(0, BLOCK_H).to(tl.int64)
         _store_rows(
-            zero,
             part_out_ptr + part.to(tl.int64) * stride_part_p + in_group * stride_part_r,
             part_lse_ptr + part.to(tl.int64) * stride_part_lse_p + in_group,
             out,
@@ -722,7 +693,6 @@ def _decode_segment(
         )
     else:
         _store_rows(
-            zero,
             out_ptr + b.to(tl.int64) * stride_out_b + rows.to(tl.int64) * stride_out_h,
             lse_ptr + b.to(tl.int64) * stride_lse_b + rows.to(tl.int64) * stride_lse_h,
             out,
@@ -743,7 +713,7 @@ def _mla_decode_stage1(
     kv_ptr,  # [num_blocks, PAGE_SIZE, D], unit stride in D
     block_table_ptr,  # [B, max_blocks] int32
     seqlens_ptr,  # [B] int32
-    slot_segments_ptr,  # [S + 1] int32: slot s walks segments [this[s], this[s + 1])
+    launch_order_ptr,  # [programs] int32: the segment program p walks, or -1 (none)
     segments_ptr,  # [*, 4] int32: (unit = b * num_groups + group, first key, end key, partial)
     out_ptr,  # [B, S_q, H, Dv] final rows, q's dtype
     lse_ptr,  # [B, S_q, H] fp32
@@ -795,29 +765,22 @@ def _mla_decode_stage1(
     HAS_FAULT_FLAG: tl.constexpr,
     PREFETCH_IDS: tl.constexpr,
 ):
-    """Stage 1: one program per resident slot of the balanced schedule (``schedule.py``),
-    walking its segments in order; slots next to each other hold neighbouring units (the
-    row groups of one request, or the pieces of one long one), so on gfx942 the XCD remap
-    keeps them on one L2."""
-    slot = _remap_for_xcds(tl.program_id(0), tl.num_programs(0), NUM_XCDS)
-    first_segment = tl.load(slot_segments_ptr + slot)
-    end_segment = tl.load(slot_segments_ptr + slot + 1)
-    for segment in range(first_segment, end_segment):
+    """Stage 1: one program per segment of the balanced schedule (``schedule.py``), in the
+    launch order its planner chose: the hardware hands out programs in id order to whichever
+    slot frees first (on AMD, within the XCD of ``pid % NUM_XCDS``), and that order makes
+    it run the planned packing (``schedule.py``: "Launch order"). One segment per program,
+    not a loop over a slot's list: a persistent loop let LLVM hoist the layouts' thread-id
+    index math out of it, live through the walk (sm90: up to 972 B of spills at 255
+    registers; gfx942: 20-46 more VGPRs), which one straight walk never has."""
+    segment = tl.load(launch_order_ptr + tl.program_id(0))
+    if segment >= 0:
         unit = tl.load(segments_ptr + segment * 4)
-        seg_start = tl.load(segments_ptr + segment * 4 + 1)
-        # A zero the compiler cannot see as one (a segment starts at a key >= 0), added to
-        # the column offsets of the q loads, the tiles and the stores: they then depend on
-        # the segment, so they are recomputed in each one rather than hoisted out of this
-        # loop, where their broadcast index tiles stayed live through the walk (sm90 H128:
-        # 212 B of spills). Its multiple_of keeps the offsets' alignment known.
-        zero = tl.multiple_of(tl.minimum(seg_start, 0), 16)
         _decode_segment(
             unit // num_groups,
             unit % num_groups,
-            seg_start,
+            tl.load(segments_ptr + segment * 4 + 1),
             tl.load(segments_ptr + segment * 4 + 2),
             tl.load(segments_ptr + segment * 4 + 3),
-            zero,
             q_ptr,
             q_scale_ptr,
             kv_ptr,

@@ -174,7 +174,7 @@ def _compile_stage1_resources(
     block_table = torch.empty(batch, triton.cdiv(pages, batch), dtype=torch.int32, **meta)
     seqlens = torch.empty(batch, dtype=torch.int32, **meta)
     # A schedule's tables and buffers (their values are never read by the compiler).
-    slot_segments = torch.empty(batch + 1, dtype=torch.int32, **meta)
+    launch_order = torch.empty(2 * batch * num_groups, dtype=torch.int32, **meta)
     segments = torch.empty(2 * batch * num_groups, 4, dtype=torch.int32, **meta)
     out = torch.empty(batch, q_len, num_heads, head_dim_v, dtype=q_dtype, **meta)
     lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, **meta)
@@ -185,7 +185,7 @@ def _compile_stage1_resources(
         kv_cache,
         block_table,
         seqlens,
-        slot_segments,
+        launch_order,
         segments,
         out,
         lse,

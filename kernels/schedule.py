@@ -2,10 +2,12 @@
 
 A decode step's work is ``units``: one per (request, row group), ``u = b * G + g``, each
 ``n_u`` pieces of ``PIECE_KEYS`` keys (its length rounded up; clamped to the block table's
-capacity, past which stage 1 reads nothing). The grid is one program per resident slot
-(compute units x programs per CU, ``plan.plan_launch``), and slot ``s`` walks a list of
-*segments* (a unit's key range), FlashMLA- and AITER-persistent-style: every slot gets about
-the same cost, so a long request is cut across many slots while short ones share one.
+capacity, past which stage 1 reads nothing). They are packed into the resident slots
+(compute units x programs per CU, ``plan.plan_launch``) as lists of *segments* (a unit's
+key range), FlashMLA- and AITER-persistent-style: every slot gets about the same cost, so a
+long request is cut across many slots while short ones share one. Stage 1 runs one program
+per segment, in an order that makes the GPU's own dispatch run that packing ("Launch
+order" below).
 
 Cost model (the one the planner packs by and ``rocm-mla bench schedule`` reports): a
 segment of ``t`` pieces costs ``t * PIECE_KEYS + SPLIT_OVERHEAD_TOKENS`` (its prologue, its
@@ -31,7 +33,24 @@ captured graph replays any lengths):
   ``-1`` when the segment is its unit's only one (it writes the final output directly);
 - ``unit_parts [B * G, 2]``: ``(first partial, count)`` of a unit cut into ``count > 1``
   segments (the merge reads them), ``(-1, 1)`` otherwise;
-- ``split_units [S]``: the cut units in order, then ``-1`` (the merge's grid).
+- ``split_units [S]``: the cut units in order, then ``-1`` (the merge's grid);
+- ``launch_order [X * (B * G + ceil(S / X))]``: the segment stage-1 program ``p`` walks, or
+  ``-1`` (a program with nothing to do).
+
+Launch order. Stage 1 runs one program per segment, not a loop over a slot's list (a
+persistent loop spills: ``mla_decode_kernel._mla_decode_stage1``). The hardware hands out
+programs in id order, each to a slot as one frees (list scheduling). Programs ordered by
+their segments' planned start time (ties by slot) then run the packing itself: when a
+segment's turn comes, every segment before it started no later than planned (induction),
+so at most ``S - 1`` of them still run at its planned start (the plan never has more
+overlapping it) and a slot is free by then; with the model's costs nothing ends later than
+planned, and where real costs differ, whichever slot frees first takes the next segment.
+On AMD the slots are ``X`` pools, the XCDs (workgroup ``p`` goes to XCD ``p % X``): plan
+slot ``s`` belongs to pool ``s * X // S`` (neighbouring slots, hence neighbouring units, on
+one L2), each pool's segments are sorted by start, and pool ``x``'s ``k``-th sits at
+position ``k * X + x``; a pool with fewer segments leaves ``-1`` programs at its end. With
+one pool (NVIDIA, the interpreter) the order is one sorted list. ``X`` is the config's
+``num_xcds``.
 
 A slot boundary cuts at most one unit, so at most ``S - 1`` units are cut, into at most
 ``2 * (S - 1)`` partials (``partial_capacity``), and at most ``B * G + S - 1`` segments exist.
@@ -63,6 +82,8 @@ MAX_KEYS = (2**31 - 1) // PIECE_KEYS * PIECE_KEYS
 SEARCH_LANES = 64
 #: The overhead in whole keys (the cost model is integer, so host and device agree exactly).
 OVERHEAD_KEYS = round(SPLIT_OVERHEAD_TOKENS)
+#: Segments per program of the launch-order kernel (and per step of its rank count).
+ORDER_BLOCK = 64
 
 
 def partial_capacity(num_slots: int) -> int:
@@ -75,6 +96,31 @@ def segment_capacity(num_units: int, num_slots: int) -> int:
     return num_units + num_slots
 
 
+def launch_capacity(num_units: int, num_slots: int, num_pools: int) -> int:
+    """Stage-1 programs a device-planned schedule launches: every pool's segments (at most
+    every unit plus one per slot boundary in the pool) at ``num_pools`` positions apart."""
+    return num_pools * (num_units + -(-num_slots // num_pools))
+
+
+def pool_of(slot: int, num_slots: int, num_pools: int) -> int:
+    """The pool (XCD) of plan slot ``slot``: contiguous ranges of slots."""
+    return slot * num_pools // num_slots
+
+
+def launch_order(starts: Sequence[tuple[int, int]], num_slots: int, num_pools: int) -> list[int]:
+    """The segment each stage-1 program walks (or -1), from each segment's planned
+    ``(start, slot)``, exactly as the device planner writes it (module docstring)."""
+    pools: list[list[tuple[int, int, int]]] = [[] for _ in range(num_pools)]
+    for index, (start, slot) in enumerate(starts):
+        pools[pool_of(slot, num_slots, num_pools)].append((start, slot, index))
+    depth = max(len(pool) for pool in pools)
+    order = [-1] * (num_pools * depth)
+    for x, pool in enumerate(pools):
+        for k, (_, _, index) in enumerate(sorted(pool)):
+            order[k * num_pools + x] = index
+    return order
+
+
 @dataclass(frozen=True)
 class ScheduleTables:
     """A schedule's tables (see the module docstring) and the grid they were made for."""
@@ -83,12 +129,16 @@ class ScheduleTables:
     segments: torch.Tensor  #: [B * G + S, 4] int32
     unit_parts: torch.Tensor  #: [B * G, 2] int32
     split_units: torch.Tensor  #: [S] int32: the units cut into several segments, then -1
-    num_slots: int  #: S: the stage-1 grid
+    launch_order: torch.Tensor  #: [launch_capacity] int32: program -> segment, or -1
+    num_slots: int  #: S: the resident slots the packing balances over
     num_groups: int  #: G
-    #: Known on the host (``host_schedule``): the slots that hold a segment and the partials
-    #: used; None for tables the device planner fills (then the capacities hold).
+    num_pools: int = 1  #: X: slot pools the hardware fills apart (AMD's XCDs)
+    #: Known on the host (``host_schedule``): the slots that hold a segment, the partials
+    #: used and the stage-1 programs to launch; None for tables the device planner fills
+    #: (then the capacities hold).
     used_slots: int | None = None
     num_partials: int | None = None
+    num_programs: int | None = None
 
 
 def _pieces(length: int, capacity_keys: int) -> int:
@@ -146,6 +196,7 @@ def host_schedule(
     num_groups: int,
     num_slots: int,
     capacity_keys: int,
+    num_pools: int = 1,
     device: torch.device | str = "cpu",
 ) -> ScheduleTables:
     """The schedule of ``lengths`` (host ints), as the device planner would build it."""
@@ -158,6 +209,7 @@ def host_schedule(
     segments: list[tuple[int, int, int, int]] = []
     unit_parts = [(-1, 1)] * units
     split_units = [-1] * num_slots
+    starts: list[tuple[int, int]] = []  # each segment's planned (start, slot)
     slot, used, partials, cut = 0, 0, 0, 0
     for u in range(units):
         n = pieces[u // num_groups]
@@ -166,6 +218,7 @@ def host_schedule(
                 slot, used = slot + 1, 0
                 slot_segments[slot] = len(segments)
             segments.append((u, 0, 0, -1))
+            starts.append((used, slot))
             used += OVERHEAD_KEYS
             continue
         room = (budget - used - OVERHEAD_KEYS) // PIECE_KEYS
@@ -184,6 +237,7 @@ def host_schedule(
             take = min(n - done, room)
             part = partials + piece if count > 1 else -1
             segments.append((u, done * PIECE_KEYS, (done + take) * PIECE_KEYS, part))
+            starts.append((used, slot))
             used += OVERHEAD_KEYS + take * PIECE_KEYS
             done += take
         if count > 1:
@@ -192,15 +246,22 @@ def host_schedule(
         slot_segments[s] = len(segments)
     seg_table = torch.zeros(segment_capacity(units, num_slots), 4, dtype=torch.int32)
     seg_table[: len(segments)] = torch.tensor(segments, dtype=torch.int32).view(-1, 4)
+    order = launch_order(starts, num_slots, num_pools)
+    # Capacity-sized like the device planner's, so the device may rewrite these tables.
+    order_table = torch.full((launch_capacity(units, num_slots, num_pools),), -1, dtype=torch.int32)
+    order_table[: len(order)] = torch.tensor(order, dtype=torch.int32)
     return ScheduleTables(
         slot_segments=torch.tensor(slot_segments, dtype=torch.int32, device=device),
         segments=seg_table.to(device),
         unit_parts=torch.tensor(unit_parts, dtype=torch.int32, device=device).view(units, 2),
         split_units=torch.tensor(split_units, dtype=torch.int32, device=device),
+        launch_order=order_table.to(device),
         num_slots=num_slots,
         num_groups=num_groups,
+        num_pools=num_pools,
         used_slots=slot + 1,
         num_partials=partials,
+        num_programs=len(order),
     )
 
 
@@ -243,10 +304,13 @@ def uniform_schedule(
         split_units=torch.tensor(
             split_units + [-1] * (slots - len(split_units)), dtype=torch.int32, device=device
         ),
+        # Program p walks segment p: the old launch's program-id order.
+        launch_order=torch.arange(slots, dtype=torch.int32, device=device),
         num_slots=slots,
         num_groups=num_groups,
         used_slots=slots,
         num_partials=units * splits if splits > 1 else 0,
+        num_programs=slots,
     )
 
 
@@ -301,10 +365,13 @@ def _plan_schedule_kernel(
     segments_ptr,  # [B * G + S, 4] int32
     unit_parts_ptr,  # [B * G, 2] int32
     split_units_ptr,  # [S] int32
+    starts_ptr,  # [B * G + S] int64: each segment's planned start x S + its slot
+    launch_order_ptr,  # [launch capacity] int32: cleared to -1 here (_launch_order_kernel)
     batch,
     num_groups,
     num_slots,
     capacity_keys,
+    launch_programs,
     OVERHEAD: tl.constexpr,
     PIECE: tl.constexpr,
     LANES: tl.constexpr,
@@ -364,6 +431,7 @@ def _plan_schedule_kernel(
                 slot += 1
                 used = used * 0
                 tl.store(slot_segments_ptr + slot, nseg)
+            tl.store(starts_ptr + nseg, used * num_slots + slot)
             tl.store(segments_ptr + nseg * 4, u)
             tl.store(segments_ptr + nseg * 4 + 1, 0)
             tl.store(segments_ptr + nseg * 4 + 2, 0)
@@ -394,6 +462,7 @@ def _plan_schedule_kernel(
                     tl.store(slot_segments_ptr + slot, nseg)
                     room = fresh
                 take = tl.minimum(n - done_pieces, room)
+                tl.store(starts_ptr + nseg, used * num_slots + slot)
                 tl.store(segments_ptr + nseg * 4, u)
                 tl.store(segments_ptr + nseg * 4 + 1, (done_pieces * PIECE).to(tl.int32))
                 tl.store(segments_ptr + nseg * 4 + 2, ((done_pieces + take) * PIECE).to(tl.int32))
@@ -406,6 +475,41 @@ def _plan_schedule_kernel(
         offs = s0 + tl.arange(0, BLOCK_B)
         tl.store(slot_segments_ptr + offs, nseg, mask=(offs > slot) & (offs <= num_slots))
         tl.store(split_units_ptr + offs, -1, mask=(offs >= cut) & (offs < num_slots))
+    for p0 in range(0, launch_programs, BLOCK_B):
+        offs = p0 + tl.arange(0, BLOCK_B)
+        tl.store(launch_order_ptr + offs, -1, mask=offs < launch_programs)
+
+
+@triton.jit
+def _launch_order_kernel(
+    slot_segments_ptr,  # [S + 1] int32: its last entry counts the segments
+    starts_ptr,  # [B * G + S] int64: planned start x S + slot
+    launch_order_ptr,  # [launch capacity] int32, all -1
+    num_slots,
+    num_pools,
+    BLOCK: tl.constexpr,
+):
+    """``launch_order`` on the device: each segment's position is its rank by planned
+    start among its pool's segments (``start x S + slot`` is unique: a slot's segments
+    each cost at least the overhead), times the pool count, plus its pool."""
+    count = tl.load(slot_segments_ptr + num_slots)
+    if tl.program_id(0) * BLOCK < count:
+        mine = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = mine < count
+        key = tl.load(starts_ptr + mine, mask=valid, other=0)
+        pool = (key % num_slots) * num_pools // num_slots
+        rank = tl.zeros([BLOCK], tl.int32)
+        for j0 in range(0, count, BLOCK):
+            other = j0 + tl.arange(0, BLOCK)
+            other_key = tl.load(starts_ptr + other, mask=other < count, other=0)
+            other_pool = (other_key % num_slots) * num_pools // num_slots
+            before = (
+                (other < count)[None, :]
+                & (other_pool[None, :] == pool[:, None])
+                & (other_key[None, :] < key[:, None])
+            )
+            rank += tl.sum(before.to(tl.int32), axis=1)
+        tl.store(launch_order_ptr + rank * num_pools + pool, mine, mask=valid)
 
 
 def device_schedule(
@@ -416,16 +520,20 @@ def device_schedule(
 ) -> None:
     """Rewrite ``tables`` on the device from ``cache_seqlens`` (no host read; graph-safe)."""
     batch = cache_seqlens.shape[0]
+    starts = torch.empty(tables.segments.shape[0], dtype=torch.int64, device=tables.segments.device)
     _plan_schedule_kernel[(1,)](
         cache_seqlens,
         tables.slot_segments,
         tables.segments,
         tables.unit_parts,
         tables.split_units,
+        starts,
+        tables.launch_order,
         batch,
         tables.num_groups,
         tables.num_slots,
         min(capacity_keys, MAX_KEYS),
+        tables.launch_order.shape[0],
         OVERHEAD=OVERHEAD_KEYS,
         PIECE=PIECE_KEYS,
         LANES=SEARCH_LANES,
@@ -433,10 +541,24 @@ def device_schedule(
         BLOCK_B=256,
         num_warps=4,
     )
+    block = ORDER_BLOCK
+    _launch_order_kernel[(triton.cdiv(starts.shape[0], block),)](
+        tables.slot_segments,
+        starts,
+        tables.launch_order,
+        tables.num_slots,
+        tables.num_pools,
+        BLOCK=block,
+        num_warps=4,
+    )
 
 
 def empty_tables(
-    batch: int, num_groups: int, num_slots: int, device: torch.device | str
+    batch: int,
+    num_groups: int,
+    num_slots: int,
+    device: torch.device | str,
+    num_pools: int = 1,
 ) -> ScheduleTables:
     """Tables of the right capacity for ``device_schedule`` to fill."""
     units = batch * num_groups
@@ -447,8 +569,12 @@ def empty_tables(
         ),
         unit_parts=torch.zeros(units, 2, dtype=torch.int32, device=device),
         split_units=torch.zeros(num_slots, dtype=torch.int32, device=device),
+        launch_order=torch.full(
+            (launch_capacity(units, num_slots, num_pools),), -1, dtype=torch.int32, device=device
+        ),
         num_slots=num_slots,
         num_groups=num_groups,
+        num_pools=num_pools,
     )
 
 
@@ -456,12 +582,13 @@ def empty_tables(
 class ScheduleEntry:
     """One segment of the schedule: what one stage-1 program walks, in launch order."""
 
-    program: int  #: the slot (stage-1 program id) that walks it
+    program: int  #: the stage-1 program id that walks it (its launch position)
     request: int
     row_group: int  #: rows [row_group * BLOCK_H, ...) of the request's S_q x H
     first_key: int
     end_key: int  #: exclusive; a multiple of PIECE_KEYS (keys past the length are not seen)
     partial: int  #: its partial slot, or -1: the unit's only segment, written directly
+    slot: int  #: the resident slot the plan runs it on (after the slot's earlier segments)
 
 
 @dataclass(frozen=True)
@@ -471,10 +598,12 @@ class Schedule:
     entries: tuple[ScheduleEntry, ...]
     num_cus: int  #: compute units (SMs) the target has
     programs_per_cu: int  #: resident stage-1 programs per CU (the compiled kernel's)
-    num_slots: int  #: num_cus x programs_per_cu: the grid
+    num_slots: int  #: num_cus x programs_per_cu: the slots the packing balances over
     num_groups: int  #: row groups per request
     block_h: int  #: rows per group
     budget_keys: int  #: the packing budget: no slot's cost exceeds it
+    num_programs: int = 0  #: the stage-1 grid (programs with no entry have nothing to do)
+    num_pools: int = 1  #: slot pools filled apart (AMD: XCDs; ``schedule.py``)
     piece_keys: int = PIECE_KEYS
     overhead_keys: int = OVERHEAD_KEYS
 
@@ -483,12 +612,12 @@ class Schedule:
         """Each slot's cost in the schedule's model (keys walked + one overhead a segment)."""
         loads = [0] * self.num_slots
         for entry in self.entries:
-            loads[entry.program] += entry.end_key - entry.first_key + self.overhead_keys
+            loads[entry.slot] += entry.end_key - entry.first_key + self.overhead_keys
         return loads
 
     @property
     def used_slots(self) -> int:
-        return len({entry.program for entry in self.entries})
+        return len({entry.slot for entry in self.entries})
 
     @property
     def balanced(self) -> str:
@@ -500,9 +629,39 @@ def schedule_entries(tables: ScheduleTables) -> tuple[ScheduleEntry, ...]:
     """The tables' segments as entries, in launch order (one host read of the tables)."""
     bounds = tables.slot_segments.tolist()
     rows = tables.segments[: bounds[-1]].tolist()
+    slot_of = [
+        slot for slot in range(tables.num_slots) for _ in range(bounds[slot + 1] - bounds[slot])
+    ]
     groups = tables.num_groups
-    return tuple(
-        ScheduleEntry(slot, unit // groups, unit % groups, first, end, part)
-        for slot in range(tables.num_slots)
-        for unit, first, end, part in rows[bounds[slot] : bounds[slot + 1]]
-    )
+    programs = tables.launch_order.shape[0] if tables.num_programs is None else tables.num_programs
+    entries = []
+    for program, index in enumerate(tables.launch_order[:programs].tolist()):
+        if index >= 0:
+            unit, first, end, part = rows[index]
+            entries.append(
+                ScheduleEntry(
+                    program, unit // groups, unit % groups, first, end, part, slot_of[index]
+                )
+            )
+    return tuple(entries)
+
+
+def list_scheduled_loads(
+    entries: Sequence[ScheduleEntry], num_slots: int, num_pools: int, overhead: int
+) -> list[int]:
+    """Each slot's finish time when the hardware hands ``entries`` out in program order,
+    program ``p`` to the earliest free slot of pool ``p % num_pools`` (the model the launch
+    order is built for: equal to the plan's slot loads up to which slot is which)."""
+    import heapq
+
+    free = [
+        [(0, s) for s in range(num_slots) if pool_of(s, num_slots, num_pools) == x]
+        for x in range(num_pools)
+    ]
+    loads = [0] * num_slots
+    for entry in entries:
+        pool = free[entry.program % num_pools]
+        finish, slot = heapq.heappop(pool)
+        loads[slot] = finish + entry.end_key - entry.first_key + overhead
+        heapq.heappush(pool, (loads[slot], slot))
+    return loads

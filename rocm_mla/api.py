@@ -270,8 +270,10 @@ def plan_schedule(
 
     Returns:
         A ``Schedule``: ``entries`` (one per segment in launch order: program, request, row
-        group, first key, end key, partial slot), ``programs_per_cu``, ``num_cus``,
-        ``num_slots``, ``slot_loads`` in its cost model, and the budget no slot exceeds.
+        group, first key, end key, partial slot, and the slot the plan runs it on),
+        ``programs_per_cu``, ``num_cus``, ``num_slots``, ``num_programs`` (the stage-1
+        grid), ``num_pools`` (XCDs filled apart), ``slot_loads`` in its cost model, and the
+        budget no slot exceeds.
     """
     from rocm_mla.kernels import schedule as sch
     from rocm_mla.kernels.plan import plan_launch
@@ -305,7 +307,13 @@ def plan_schedule(
     groups = -(-(q_len * num_heads) // config.block_h)
     capacity = sch.MAX_KEYS if max_blocks is None else max_blocks * page_size
     pieces = [sch._pieces(v, capacity) for v in lengths]
-    tables = sch.host_schedule(lengths, num_groups=groups, num_slots=slots, capacity_keys=capacity)
+    tables = sch.host_schedule(
+        lengths,
+        num_groups=groups,
+        num_slots=slots,
+        capacity_keys=capacity,
+        num_pools=config.num_xcds,
+    )
     return sch.Schedule(
         entries=sch.schedule_entries(tables),
         num_cus=target.num_cus,
@@ -314,6 +322,8 @@ def plan_schedule(
         num_groups=groups,
         block_h=config.block_h,
         budget_keys=sch.search_budget(pieces, groups, slots),
+        num_programs=tables.num_programs,
+        num_pools=tables.num_pools,
     )
 
 

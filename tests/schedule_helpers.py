@@ -44,6 +44,7 @@ def host_tables(
     slots: int,
     capacity_keys: int,
     device: torch.device | str = "cpu",
+    pools: int = 1,
 ) -> sch.ScheduleTables:
     if isinstance(lengths, torch.Tensor):
         lengths = [int(v) for v in lengths.cpu().tolist()]
@@ -52,6 +53,7 @@ def host_tables(
         num_groups=groups,
         num_slots=slots,
         capacity_keys=capacity_keys,
+        num_pools=pools,
         device=device,
     )
 
@@ -94,9 +96,9 @@ def assert_cuts_long_requests(
 
 
 def device_tables(
-    cache_seqlens: torch.Tensor, *, groups: int, slots: int, capacity_keys: int
+    cache_seqlens: torch.Tensor, *, groups: int, slots: int, capacity_keys: int, pools: int = 1
 ) -> sch.ScheduleTables:
     """The device planner's tables for ``cache_seqlens`` (on its device)."""
-    tables = sch.empty_tables(cache_seqlens.shape[0], groups, slots, cache_seqlens.device)
+    tables = sch.empty_tables(cache_seqlens.shape[0], groups, slots, cache_seqlens.device, pools)
     sch.device_schedule(cache_seqlens.to(torch.int32), tables, capacity_keys=capacity_keys)
     return tables

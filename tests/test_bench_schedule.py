@@ -118,10 +118,11 @@ def test_random_lengths_respect_the_bounds() -> None:
             lengths[0] = 1
         groups, slots = rng.randint(1, 3), rng.randint(1, 24)
         splits, block_n = rng.randint(1, 8), rng.choice([16, 32, 64])
+        pools = rng.choice([1, 2, 8])
         keys = bench.old_programs(lengths, groups, splits, block_n)
         assert sum(keys) == groups * sum(lengths)
         makespans = [
-            max(bench.balanced_loads(lengths, groups, slots)["loads"]),
+            max(bench.balanced_loads(lengths, groups, slots, pools)["loads"]),
             max(bench.old_loads(lengths, groups, slots, splits, block_n)),
             max(bench.flashmla_loads(lengths, groups, slots)),
         ]

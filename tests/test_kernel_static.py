@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -421,28 +422,9 @@ def test_gates_fail_on_a_spilling_and_a_replicating_kernel() -> None:
     assert replicated["evidence"]["by_batch"]["32"]["replication"] > ks.MAX_ISSUED_OVER_USEFUL
 
 
-#: Issue 20's gates the planned kernels do not meet yet on the reduced case list, as compiled
-#: by Triton 3.9 (``benchmarks/results/kernel-static-*.md`` has the evidence for every case).
-#: The test below fails on any other failing gate (a regression) and on any listed gate that
-#: now passes (so this list only shrinks, in the commit that fixes it).
-#: Since stage 1 became one program per slot looping over its segments (issue 29), sm90's
-#: 255-register builds spill again: H128 S_q 1 bf16 40 B (none in the KV loop), K3 TP1 H96
-#: fp8 56 B and K3 TP8 H12 S_q 2 fp8 260 B (2-3 spill loads in the KV loop); all 0 B before.
-#: Loop-invariant index tiles hoisted out of the segment loop stayed live through the walk
-#: (212/380/160 B); an opaque per-segment zero on the column offsets recovers part of it.
-KNOWN_GAPS: frozenset[str] = frozenset(
-    {
-        "H128 Sq1 bf16 / sm90: no_spills",
-        "K3 TP1 H96 Sq1 fp8 / sm90: no_spills",
-        "K3 TP8 H12 Sq2 fp8 / sm90: no_spills",
-    }
-)
-
-
 @pytest.mark.slow
-def test_reduced_case_list_meets_every_gate_but_the_known_gaps(tmp_path: Path) -> None:
-    """Issue 20's acceptance on a few cases and all three targets: every gate but
-    ``KNOWN_GAPS``."""
+def test_reduced_case_list_meets_every_gate(tmp_path: Path) -> None:
+    """Issue 20's acceptance on a few cases and all three targets: every gate met."""
     start = time.perf_counter()
     _run(
         "from benchmarks.kernel_static import main; main(['--cases', 'reduced', "
@@ -453,11 +435,8 @@ def test_reduced_case_list_meets_every_gate_but_the_known_gaps(tmp_path: Path) -
     payload = json.loads(path.read_text())
     assert {r["target"] for r in payload["results"]} == {"sm90", "gfx942", "gfx950"}
     assert len(payload["results"]) == 3 * len(ks.REDUCED_CASES)
-    failed = set(ks.failures(payload))
-    assert not failed - KNOWN_GAPS, "gates failed:\n" + "\n".join(sorted(failed - KNOWN_GAPS))
-    assert not KNOWN_GAPS - failed, "now met, drop from KNOWN_GAPS:\n" + "\n".join(
-        sorted(KNOWN_GAPS - failed)
-    )
+    failed = ks.failures(payload)
+    assert not failed, "gates failed:\n" + "\n".join(sorted(failed))
 
 
 # ---- the schedule's figures and the gates computed from them (fast) --------------------------
@@ -477,6 +456,17 @@ class TestScheduleGates:
         # Two one-piece requests over 4 slots: half the slots idle, and the fill says so.
         idle = ks.schedule_facts(2, 64, 1, 4, 64)
         assert idle["used_slots"] == 2 and idle["slot_fill"] == 0.5
+
+    #: A synthetic schedule's figures (``schedule_facts``) that meet the gates.
+    SCHEDULE: ClassVar[dict] = {
+        "used_slots": 304,
+        "max_segments_per_unit": 5,
+        "programs": 368,
+        "first_wave_holds_the_slots_first_segments": True,
+        "list_scheduled_within_plan": True,
+        "makespan": 600,
+        "least_makespan": 560,
+    }
 
     @staticmethod
     def _gates(**batch_overrides) -> dict:
@@ -503,15 +493,16 @@ class TestScheduleGates:
             "batch": 32,
             "config": {"block_h": 64},
             "slots": 304,
+            "launch_capacity": 672,
             "num_groups": 2,
             "stage1": "s1",
             "other_kernels": ["plan"],
-            "grid": [304],
+            "grid": [672],
             "resident_per_unit": 1,
             "planner_programs_per_cu": 1,
             "plan_slots_per_cu": 1.0,
-            "waves": 1.0,
-            "schedule": {"used_slots": 304, "max_segments_per_unit": 5},
+            "waves": 2.211,
+            "schedule": dict(TestScheduleGates.SCHEDULE),
             "slot_fill": 0.99,
             "kv_tile_loads_per_request": 2.0,
             "issued_over_useful": 1.0,
@@ -526,7 +517,12 @@ class TestScheduleGates:
         good = self._gates()
         assert all(g["pass"] in (True, None) for g in good.values()), good
         assert self._gates(slot_fill=0.8)["whole_waves"]["pass"] is False
-        assert self._gates(waves=2.0, grid=[608])["whole_waves"]["pass"] is False
+        # A low fill at the least makespan the model allows is the pieces' granularity.
+        at_least = dict(self.SCHEDULE, makespan=560)
+        assert self._gates(slot_fill=0.8, schedule=at_least)["whole_waves"]["pass"] is True
+        for broken in ("first_wave_holds_the_slots_first_segments", "list_scheduled_within_plan"):
+            bad = dict(at_least, **{broken: False})
+            assert self._gates(schedule=bad)["whole_waves"]["pass"] is False
         wrong_grid = self._gates(grid=[608])
         assert wrong_grid["planner_uses_compiled_residency"]["pass"] is False
         assert (

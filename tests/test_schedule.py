@@ -1,5 +1,6 @@
-"""The balanced schedule (kernels/schedule.py): its invariants, and the device planner (run
-under the Triton interpreter) writing exactly the host planner's tables."""
+"""The balanced schedule (kernels/schedule.py): its invariants, the launch order that makes
+list scheduling run the packing, and the device planner (run under the Triton interpreter)
+writing exactly the host planner's tables."""
 
 from __future__ import annotations
 
@@ -32,8 +33,45 @@ def _segments(tables: sch.ScheduleTables) -> list[tuple[int, int, int, int, int]
     return [(s, *rows[i]) for s in range(tables.num_slots) for i in range(bounds[s], bounds[s + 1])]
 
 
-def _check_invariants(lengths, groups, slots, capacity):
-    tables = sch.host_schedule(lengths, num_groups=groups, num_slots=slots, capacity_keys=capacity)
+def _check_launch_order(tables: sch.ScheduleTables, load: list[int]) -> None:
+    """Every segment at one position, of its slot's pool, a pool's segments in planned start
+    order; list scheduling in that order ends no later than the plan (schedule.py)."""
+    pools, slots = tables.num_pools, tables.num_slots
+    bounds = tables.slot_segments.tolist()
+    rows = tables.segments.tolist()
+    count = bounds[-1]
+    order = tables.launch_order.tolist()
+    assert len(order) == sch.launch_capacity(tables.unit_parts.shape[0], slots, pools)
+    programs = tables.num_programs
+    assert programs is not None and programs % pools == 0
+    assert all(i == -1 for i in order[programs:])
+    placed = [(p, i) for p, i in enumerate(order[:programs]) if i >= 0]
+    assert sorted(i for _, i in placed) == list(range(count))
+    slot_of, start_of = {}, {}
+    for s in range(slots):
+        t = 0
+        for i in range(bounds[s], bounds[s + 1]):
+            slot_of[i], start_of[i] = s, t
+            t += rows[i][2] - rows[i][1] + sch.OVERHEAD_KEYS
+    for x in range(pools):
+        mine = [i for p, i in placed if p % pools == x]
+        assert all(sch.pool_of(slot_of[i], slots, pools) == x for i in mine)
+        keys = [(start_of[i], slot_of[i]) for i in mine]
+        assert keys == sorted(keys)
+        # Nothing but empty programs after a pool's last segment.
+        positions = [p for p, i in placed if p % pools == x]
+        assert positions == list(range(x, x + pools * len(positions), pools))
+    entries = sch.schedule_entries(tables)
+    assert [e.program for e in entries] == [p for p, _ in placed]
+    ran = sch.list_scheduled_loads(entries, slots, pools, sch.OVERHEAD_KEYS)
+    # No segment starts later than planned (an idle slot may take one earlier).
+    assert max(ran) <= max(load) and sum(ran) == sum(load)
+
+
+def _check_invariants(lengths, groups, slots, capacity, pools=1):
+    tables = sch.host_schedule(
+        lengths, num_groups=groups, num_slots=slots, capacity_keys=capacity, num_pools=pools
+    )
     pieces = [sch._pieces(n, capacity) for n in lengths]
     segs = _segments(tables)
     budget = sch.search_budget(pieces, groups, slots)
@@ -70,13 +108,20 @@ def _check_invariants(lengths, groups, slots, capacity):
     assert len(used_parts) <= sch.partial_capacity(slots)
     assert len(segs) <= sch.segment_capacity(len(lengths) * groups, slots)
     assert split == sorted(split) and len(split) <= max(0, slots - 1)
+    _check_launch_order(tables, load)
     return tables
 
 
-def _device(lengths, groups, slots, capacity) -> sch.ScheduleTables:
-    tables = sch.empty_tables(len(lengths), groups, slots, "cpu")
+def _device(lengths, groups, slots, capacity, pools=1) -> sch.ScheduleTables:
+    tables = sch.empty_tables(len(lengths), groups, slots, "cpu", pools)
     # Garbage in, to show every read entry is rewritten.
-    for t in (tables.slot_segments, tables.segments, tables.unit_parts, tables.split_units):
+    for t in (
+        tables.slot_segments,
+        tables.segments,
+        tables.unit_parts,
+        tables.split_units,
+        tables.launch_order,
+    ):
         t.fill_(-7)
     sch.device_schedule(torch.tensor(lengths, dtype=torch.int32), tables, capacity_keys=capacity)
     return tables
@@ -88,14 +133,35 @@ def _assert_same(host: sch.ScheduleTables, device: sch.ScheduleTables) -> None:
     assert torch.equal(host.segments[:used], device.segments[:used])
     assert torch.equal(host.unit_parts, device.unit_parts)
     assert torch.equal(host.split_units, device.split_units)
+    assert torch.equal(host.launch_order, device.launch_order)
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
-@pytest.mark.parametrize(("groups", "slots"), [(1, 8), (2, 5), (3, 16)])
-def test_device_planner_equals_host(mix, groups, slots):
+@pytest.mark.parametrize(("groups", "slots", "pools"), [(1, 8, 1), (2, 5, 1), (3, 16, 8)])
+def test_device_planner_equals_host(mix, groups, slots, pools):
     lengths = MIXES[mix]
-    host = _check_invariants(lengths, groups, slots, BIG)
-    _assert_same(host, _device(lengths, groups, slots, BIG))
+    host = _check_invariants(lengths, groups, slots, BIG, pools)
+    _assert_same(host, _device(lengths, groups, slots, BIG, pools))
+
+
+def test_list_scheduling_in_launch_order_runs_the_plan():
+    """One pool: handing the programs out in order to the earliest free slot ends within
+    the plan's makespan, on a mix whose slots hold several segments of different sizes;
+    the packing's own order (slot by slot) would not."""
+    lengths = [3000, 64, 64, 1000, 0, 640, 64, 2000, 128, 64]
+    tables = sch.host_schedule(lengths, num_groups=1, num_slots=4, capacity_keys=BIG)
+    entries = sch.schedule_entries(tables)
+    plan = [0] * 4
+    for e in entries:
+        plan[e.slot] += e.end_key - e.first_key + sch.OVERHEAD_KEYS
+    ran = sch.list_scheduled_loads(entries, 4, 1, sch.OVERHEAD_KEYS)
+    assert max(ran) <= max(plan)
+    packing = sorted(entries, key=lambda e: (e.slot, e.first_key))
+    relabelled = [
+        sch.ScheduleEntry(p, e.request, e.row_group, e.first_key, e.end_key, e.partial, e.slot)
+        for p, e in enumerate(packing)
+    ]
+    assert max(sch.list_scheduled_loads(relabelled, 4, 1, sch.OVERHEAD_KEYS)) > max(plan)
 
 
 def test_long_request_is_cut_across_slots_and_short_ones_share():
@@ -130,12 +196,14 @@ def test_one_slot_takes_everything_unsplit():
     groups=st.integers(1, 3),
     slots=st.integers(1, 12),
     capacity=st.sampled_from([BIG, 256, 1000]),
+    pools=st.sampled_from([1, 2, 8]),
 )
-@example(lengths=[0], groups=1, slots=1, capacity=BIG)
-@example(lengths=[5000, 5000], groups=3, slots=12, capacity=BIG)
-def test_fuzz_host_invariants_and_device_equality(lengths, groups, slots, capacity):
-    host = _check_invariants(lengths, groups, slots, capacity)
-    _assert_same(host, _device(lengths, groups, slots, capacity))
+@example(lengths=[0], groups=1, slots=1, capacity=BIG, pools=1)
+@example(lengths=[5000, 5000], groups=3, slots=12, capacity=BIG, pools=1)
+@example(lengths=[5000, 0, 0, 0], groups=1, slots=2, capacity=BIG, pools=8)
+def test_fuzz_host_invariants_and_device_equality(lengths, groups, slots, capacity, pools):
+    host = _check_invariants(lengths, groups, slots, capacity, pools)
+    _assert_same(host, _device(lengths, groups, slots, capacity, pools))
 
 
 def test_uniform_schedule_is_the_old_split():

@@ -288,11 +288,6 @@ def test_num_slots_is_validated_and_cp_is_normalized():
 # target's tuned table can hand out (each head/S_q bucket and KV kind, BLOCK_H shrunk as
 # plan_launch shrinks it), with the constexprs mla_decode would pass, and for the merges and
 # the schedule's planner, prints one JSON line per kernel.
-#: Builds that spill since stage 1 became a loop over a slot's segments (issue 29): the
-#: fp32-cache entries on AMD (gfx942 29 VGPRs, gfx950 3; 0 before). fp32 caches are the
-#: reference dtype, not a serving one, and ``bench static`` has no fp32 case. The test fails
-#: when one of these stops spilling, so the list only shrinks.
-KNOWN_SPILLS = {("gfx942", "stage1", "torch.float32"), ("gfx950", "stage1", "torch.float32")}
 
 _AOT_SCRIPT = r"""
 import json, re, sys
@@ -356,7 +351,7 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
     q_type = kv_dtype if dot_types["QK_FP8"] else q_dtype
     pointers = {"q_ptr": "*" + tl_name[q_type], "q_scale_ptr": "*fp32",
                 "kv_ptr": "*" + tl_name[kv_dtype],
-                "block_table_ptr": "*i32", "seqlens_ptr": "*i32", "slot_segments_ptr": "*i32",
+                "block_table_ptr": "*i32", "seqlens_ptr": "*i32", "launch_order_ptr": "*i32",
                 "segments_ptr": "*i32", "out_ptr": "*" + tl_name[q_dtype], "lse_ptr": "*fp32",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "fault_ptr": "*i32"}
     missing = [n for n in mdk._mla_decode_stage1.arg_names
@@ -386,9 +381,15 @@ for block_h in sorted({config.block_h for config, _, _ in kernels}):
     print(json.dumps({"kernel": "merge_pieces", "group_rows": block_h, **pieces}))
 consts = dict(OVERHEAD=sch.OVERHEAD_KEYS, PIECE=sch.PIECE_KEYS, LANES=sch.SEARCH_LANES,
               MAX_PASSES=8, BLOCK_B=256)
-pointers = {n: "*i32" for n in sch._plan_schedule_kernel.arg_names if n.endswith("_ptr")}
+pointers = {n: "*i64" if n == "starts_ptr" else "*i32"
+            for n in sch._plan_schedule_kernel.arg_names if n.endswith("_ptr")}
 planner = build(sch._plan_schedule_kernel, pointers, consts, target, {"num_warps": 4})
 print(json.dumps({"kernel": "plan_schedule", **planner}))
+pointers = {n: "*i64" if n == "starts_ptr" else "*i32"
+            for n in sch._launch_order_kernel.arg_names if n.endswith("_ptr")}
+order = build(sch._launch_order_kernel, pointers, dict(BLOCK=sch.ORDER_BLOCK), target,
+              {"num_warps": 4})
+print(json.dumps({"kernel": "launch_order", **order}))
 consts = dict(HEAD_DIM=576, BLOCK_R=qq._BLOCK_R, BLOCK_D=1024, FP8_DTYPE=tl_type[fp8],
               OUT_DTYPE=tl_type[fp8], FP8_EMULATE_MIN_EXP=None, FP8_MAX=mda._FP8_MAX[fp8])
 pointers = {"q_ptr": "*bf16", "out_ptr": "*" + tl_name[fp8], "scale_ptr": "*fp32"}
@@ -443,15 +444,11 @@ def test_default_configs_compile_for_gpus_without_spilling(backend, arch):
     assert kinds == {"16bit", "fp8", "fp32"}
     groups = {k["config"]["block_h"] for k in stage1}
     assert {k["group_rows"] for k in kernels if k["kernel"] == "merge_pieces"} == groups
-    assert names.count("merge") == names.count("plan_schedule") == names.count("quantize_q") == 1
-    known = [k for k in kernels if (arch, k["kernel"], k.get("kv")) in KNOWN_SPILLS]
+    for name in ("merge", "plan_schedule", "launch_order", "quantize_q"):
+        assert names.count(name) == 1, names
     for k in kernels:
         assert k["shared"] <= _SHARED_LIMIT[arch], k
-        if k not in known:
-            assert k["vgpr_spill"] == 0, k
-    assert not known or any(k["vgpr_spill"] > 0 for k in known), (
-        f"now spill-free, drop from KNOWN_SPILLS: {[(arch, k['kv']) for k in known]}"
-    )
+        assert k["vgpr_spill"] == 0, k
 
 
 # ---- real GPUs only -------------------------------------------------------------------------

@@ -68,8 +68,32 @@ def reference(q, kv, bt, lens):
 
 def assert_same_tables(host: sch.ScheduleTables, device: sch.ScheduleTables) -> None:
     assert (host.num_slots, host.num_groups) == (device.num_slots, device.num_groups)
-    for name in ("slot_segments", "segments", "unit_parts", "split_units"):
+    for name in ("slot_segments", "segments", "unit_parts", "split_units", "launch_order"):
         assert torch.equal(getattr(host, name).cpu(), getattr(device, name).cpu()), name
+
+
+@pytest.mark.parametrize("mix", ["one long, several short", "zero-length requests"])
+def test_pooled_launch_order_with_empty_programs_matches_torch(mix):
+    """AMD's order (4 pools, as XCDs): programs with nothing to do sit between real ones,
+    on host and device tables alike, and every row still comes out right."""
+    lengths = MIXES[mix]
+    q, kv, bt, lens = problem(lengths, heads=4, q_len=1, dtype=torch.float32, seed=3)
+    ref_out, ref_lse = reference(q, kv, bt, lens)
+    p = prepare_decode(
+        q, kv, bt, lens, head_dim_v=HEAD_DIM_V, softmax_scale=None, causal=True, kv_scale=None
+    )
+    capacity = bt.shape[1] * PAGE
+    tables = dict(groups=1, slots=7, capacity_keys=capacity, pools=4)
+    host = host_tables(lengths, device=DEVICE, **tables)
+    device = device_tables(lens, **tables)
+    assert_same_tables(host, device)
+    order = host.launch_order[: host.num_programs].tolist()
+    assert -1 in order and host.num_programs % 4 == 0
+    args = (p.q, p.kv_cache, p.block_table, p.cache_seqlens)
+    kwargs = dict(head_dim_v=HEAD_DIM_V, softmax_scale=p.softmax_scale)
+    for schedule in (host, device):
+        out, lse = kernel.mla_decode(*args, schedule=schedule, **kwargs)
+        assert_same_attention(out, lse, ref_out, ref_lse, TOL[torch.float32])
 
 
 @pytest.mark.parametrize(("heads", "q_len"), [(4, 1), (4, 2), (20, 1), (20, 2)])

@@ -661,7 +661,7 @@ def test_stage1_refuses_partials_without_a_slot_for_every_row_of_a_group():
 
     def arguments(part_out, part_lse, out=out, lse=lse):
         return mla_decode_args._stage1_arguments(
-            q, None, kv, bt, lens, tables_.slot_segments, tables_.segments, out, lse,
+            q, None, kv, bt, lens, tables_.launch_order, tables_.segments, out, lse,
             part_out, part_lse, None, head_dim_v=512, softmax_scale=0.1, causal=True,
             kv_scale=None, num_groups=1, config=config, target=target, dot_types=dot_types,
         )  # fmt: skip
@@ -669,7 +669,9 @@ def test_stage1_refuses_partials_without_a_slot_for_every_row_of_a_group():
     part_out, part_lse = mla_decode_args._partials(2, 64, 512, DEVICE)
     assert part_out.shape == (2, 64, 512) and part_lse.shape == (2, 64)
     grid, _, _ = arguments(part_out, part_lse)
-    assert grid == (2,)  # one program per slot
+    # One program per launch position of the tables (their capacity: mla_decode launches
+    # a host schedule's own count).
+    assert grid == (sch.launch_capacity(2, 2, 1),) and tables_.num_programs <= grid[0]
     malformed = [
         (torch.empty(2, 60, 512), torch.empty(2, 60)),  # S_q x H rows, not BLOCK_H
         (torch.empty(2, 2, 64, 512), torch.empty(2, 2, 64)),  # per request, the old layout

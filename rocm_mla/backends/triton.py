@@ -108,11 +108,14 @@ def _schedule(
             num_groups=num_groups,
             num_slots=num_slots,
             capacity_keys=capacity_keys,
+            num_pools=config.num_xcds,
             device=spec.device,
         )
         # A graph plan launches for any later lengths: with the capacities, not these counts.
-        return replace(tables, used_slots=None, num_partials=None) if bounds_only else tables
-    tables = sch.empty_tables(batch, num_groups, num_slots, spec.device)
+        if bounds_only:
+            return replace(tables, used_slots=None, num_partials=None, num_programs=None)
+        return tables
+    tables = sch.empty_tables(batch, num_groups, num_slots, spec.device, config.num_xcds)
     sch.device_schedule(lengths.to(torch.int32), tables, capacity_keys=capacity_keys)
     return tables
 
@@ -216,7 +219,9 @@ class TritonMLAImpl(MLADecodeImpl):
             cache_seqlens.to(torch.int32), launch.schedule, capacity_keys=launch.capacity_keys
         )
         # The host's grid and partial counts no longer hold.
-        launch.schedule = replace(launch.schedule, used_slots=None, num_partials=None)
+        launch.schedule = replace(
+            launch.schedule, used_slots=None, num_partials=None, num_programs=None
+        )
 
     def _decode(
         self, problem: DecodeProblem, plan: DecodePlan
