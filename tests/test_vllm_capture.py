@@ -141,19 +141,19 @@ def test_triton_builder_replans_its_kept_plan_from_the_device_lengths(monkeypatc
     block_table = torch.zeros(3, 40, dtype=torch.int32)
     first = _build(builder, block_table, torch.tensor([600, 5, 17], dtype=torch.int32), 600, 3)
     tables = first.launch.schedule
-    pointers = [t.data_ptr() for t in (tables.slot_segments, tables.segments, tables.unit_parts)]
+    names = ("slot_segments", "segments", "unit_parts", "launch_order")
+    pointers = [getattr(tables, name).data_ptr() for name in names]
     assert (first.backend, first.max_seqlen, first.launch.num_slots) == ("triton", 1024, 6)
     second = _build(builder, block_table, torch.tensor([5, 17, 600], dtype=torch.int32), 600, 3)
     assert second is first
     tables = second.launch.schedule
-    assert [t.data_ptr() for t in (tables.slot_segments, tables.segments, tables.unit_parts)] == (
-        pointers
-    )
+    assert [getattr(tables, name).data_ptr() for name in names] == pointers
     expected = host_schedule([5, 17, 600], num_groups=1, num_slots=6, capacity_keys=640)
     used = int(expected.slot_segments[-1])
     assert torch.equal(tables.slot_segments, expected.slot_segments)
     assert torch.equal(tables.segments[:used], expected.segments[:used])
     assert torch.equal(tables.unit_parts, expected.unit_parts)
+    assert torch.equal(tables.launch_order, expected.launch_order)
     # The 600-key request (10 pieces among 12) is cut across slots.
     assert expected.unit_parts[2, 1] > 1
 
