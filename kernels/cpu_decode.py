@@ -31,9 +31,16 @@ reads nothing), and one poisoned chunk makes the merged row NaN.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -54,45 +61,162 @@ TASKS_PER_THREAD = 4
 MIN_CHUNK_KEYS = 256
 
 
-def _cpu_tag() -> str:
-    """The build uses -march=native, so a cache dir shared between machines keeps one build
-    per CPU model and flag set."""
+#: Seconds a process waits for another process's build of the kernel before giving up (the
+#: torch path then runs, with one warning); ``ROCM_MLA_CPU_BUILD_WAIT_S`` overrides.
+BUILD_WAIT_S = 600.0
+WAIT_ENV = "ROCM_MLA_CPU_BUILD_WAIT_S"
+#: A waiter says on stderr that it waits once it has waited this long for a holder that is
+#: building (one that only loads a built kernel makes no one print).
+WAIT_NOTICE_S = 1.0
+#: Present in the build directory while its lock holder compiles.
+_BUILDING = "rocm-mla-building"
+
+
+class CpuKernelBuildTimeout(TimeoutError):
+    """Another process held the CPU kernel's build lock for longer than the wait bound."""
+
+
+def _cpu_info() -> str:
+    """The CPU model and flags: the build uses -march=native."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         info = platform.processor()
     lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+    return "\n".join(lines)
 
 
-def _build_dir() -> Path:
+def _compiler() -> str:
+    """The C++ compiler cpp_extension runs (``$CXX``, else ``c++``): its path and version."""
+    name = os.environ.get("CXX", "c++")
+    path = shutil.which(name) or name
+    try:
+        version = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError):
+        version = []
+    return f"{os.path.realpath(path)} {' '.join(version)}"
+
+
+def build_key() -> str:
+    """What makes two builds incompatible: torch (version, build, install location: each
+    venv's torch has its own include paths), the Python ABI, the compiler, the CPU. Two
+    venvs with the same torch version thus build into two directories instead of
+    invalidating each other's build in one."""
+    parts = (
+        torch.__version__,
+        str(torch.version.git_version),
+        os.path.realpath(os.path.dirname(torch.__file__)),
+        str(sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag),
+        _compiler(),
+        _cpu_info(),
+    )
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _build_dir(key: str) -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = Path(base) / "rocm-mla" / "cpu-decode" / f"torch-{torch.__version__}-{_cpu_tag()}"
+    path = Path(base) / "rocm-mla" / "cpu-decode" / f"torch-{torch.__version__}-{key}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
+def _wait_bound() -> float:
+    text = os.environ.get(WAIT_ENV)
+    if text is None:
+        return BUILD_WAIT_S
+    try:
+        bound = float(text)
+    except ValueError:
+        bound = -1.0
+    if not bound >= 0:
+        raise ValueError(f"{WAIT_ENV} must be a number of seconds >= 0, got {text!r}")
+    return bound
+
+
+def _say(text: str) -> None:
+    print(f"rocm-mla: {text}", file=sys.stderr, flush=True)
+
+
+def _locked(build_dir: Path, build):
+    """Run ``build`` holding an exclusive ``flock`` on the build directory: the OS releases
+    it when its holder dies, however it dies. Holding it, no live process builds here, so a
+    ``lock`` baton that cpp_extension left behind (a build killed mid-compile; its next
+    ``load`` would wait on it forever) is removed first."""
+    bound = _wait_bound()
+    with open(build_dir / "rocm-mla-build.lock", "a+") as lock:
+        start, told = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited >= bound:
+                    raise CpuKernelBuildTimeout(
+                        f"another process held the CPU decode kernel's build lock in "
+                        f"{build_dir} for over {bound:g} s ({WAIT_ENV})"
+                    ) from None
+                if not told and waited >= WAIT_NOTICE_S and (build_dir / _BUILDING).exists():
+                    _say(
+                        f"waiting for another process's build of the CPU decode kernel in "
+                        f"{build_dir} (at most {bound:g} s, {WAIT_ENV})"
+                    )
+                    told = True
+                time.sleep(0.05)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            (build_dir / _BUILDING).unlink(missing_ok=True)
+            return build()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @lru_cache(maxsize=1)
 def _load() -> tuple[object | None, str | None]:
-    """(module, None) or (None, why it cannot be built). Built once per process."""
+    """(module, None) or (None, why it cannot be built). Built once per process; a failure
+    warns once, and CPU calls then run the torch path."""
     try:
         from torch.utils import cpp_extension
 
+        key = build_key()
+        build_dir = _build_dir(key)
+        name = f"rocm_mla_cpu_decode_{key}"
         flags = ["-O3", "-march=native", "-std=c++17"]
         openmp = torch.backends.openmp.is_available()
         if openmp:
             flags.append("-fopenmp")
-        module = cpp_extension.load(
-            name=f"rocm_mla_cpu_decode_{_cpu_tag()}",
-            sources=[str(_SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"] if openmp else [],
-            build_directory=str(_build_dir()),
-            verbose=False,
-        )
-    except Exception as error:  # a missing compiler or ninja, or a build error
+
+        def build():
+            built = [p.stat().st_mtime for p in build_dir.glob(f"{name}*.so")]
+            fresh = bool(built) and max(built) >= _SOURCE.stat().st_mtime
+            start = time.monotonic()
+            if not fresh:
+                (build_dir / _BUILDING).write_text(f"{os.getpid()}\n")
+                _say(f"building the CPU decode kernel (first use, about a minute) in {build_dir}")
+            try:
+                module = cpp_extension.load(
+                    name=name,
+                    sources=[str(_SOURCE)],
+                    extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"] if openmp else [],
+                    build_directory=str(build_dir),
+                    verbose=False,
+                )
+            finally:
+                (build_dir / _BUILDING).unlink(missing_ok=True)
+            took = time.monotonic() - start
+            if not fresh or took > 5:
+                _say(f"built the CPU decode kernel in {took:.1f} s")
+            return module
+
+        module = _locked(build_dir, build)
+    except Exception as error:  # a missing compiler or ninja, a build error, the wait bound
         text = " ".join(str(error).split())
-        return None, f"the CPU decode kernel did not build: {type(error).__name__}: {text[:300]}"
+        reason = f"the CPU decode kernel did not build: {type(error).__name__}: {text[:300]}"
+        warnings.warn(f"{reason}; CPU decodes run the torch path", RuntimeWarning, stacklevel=2)
+        return None, reason
     return module, None
 
 
