@@ -366,6 +366,13 @@ if sys.argv[2] == "long":
 """
 
 
+def _sigint_default() -> None:
+    """In a child before exec: SIGINT at its default. A shell's background job (``nohup make
+    test &``) starts with SIGINT ignored, and an ignored signal stays ignored across exec, so
+    the children of tests that send it would never see it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run_script(mode: str, tiny: str, stop=None, timeout: float = 180):
     proc = subprocess.Popen(
         [sys.executable, "-", tiny, mode],
@@ -374,6 +381,7 @@ def _run_script(mode: str, tiny: str, stop=None, timeout: float = 180):
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
+        preexec_fn=_sigint_default,
     )
     proc.stdin.write(SCRIPT)
     proc.stdin.close()
@@ -423,7 +431,7 @@ def test_terminal_ctrl_c_prints_one_line(tiny):
         [sys.executable, "-m", "rocm_mla.cli", "generate", "--model", tiny, "--pp", "2",
          "--device", "cpu", "--block-size", "4", "--prompt-ids", "1,2", "--max-new-tokens", "62"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=_sigint_default,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
