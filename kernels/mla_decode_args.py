@@ -310,6 +310,8 @@ def _stage1_arguments(
         NUM_XCDS=config.num_xcds,
         HAS_FAULT_FLAG=fault_flag is not None,
         PREFETCH_IDS=config.prefetch_ids,
+        # The no-op programs' guard as a loop on AMD, a branch elsewhere (_mla_decode_stage1).
+        ONE_TRIP_LOOP=target.backend == "hip",
         # FP8_MAX is quantize_q's.
         **{k: v for k, v in dot_types.items() if k != "FP8_MAX"},
         **config.launch_options(target),

@@ -360,11 +360,9 @@ def _store_rows(
 
 @triton.jit
 def _decode_segment(
-    b,  # the request
-    group,  # its row group
-    seg_start,  # the segment's keys: [seg_start, seg_stop), multiples of the tile
-    seg_stop,
-    part,  # its partial slot, or -1: the unit's only segment writes the final rows
+    segment,  # its row of the schedule's segments table
+    segments_ptr,  # [*, 4] int32: (unit = b * num_groups + group, first key, end key, partial)
+    num_groups,
     q_ptr,
     q_scale_ptr,
     kv_ptr,
@@ -421,6 +419,12 @@ def _decode_segment(
 ):
     """One segment of the schedule (``_mla_decode_stage1``): walk the request's keys
     ``[seg_start, seg_stop)`` for one row group, write its partial or its final rows."""
+    unit = tl.load(segments_ptr + segment * 4)
+    b = unit // num_groups
+    group = unit % num_groups
+    seg_start = tl.load(segments_ptr + segment * 4 + 1)  # multiples of the piece, so of the tile
+    seg_stop = tl.load(segments_ptr + segment * 4 + 2)
+    part = tl.load(segments_ptr + segment * 4 + 3)  # its partial, or -1: the unit's only one
     seqlen = tl.load(seqlens_ptr + b)
     rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
     row_valid = rows < Q_LEN * NUM_HEADS
@@ -764,6 +768,7 @@ def _mla_decode_stage1(
     NUM_XCDS: tl.constexpr,
     HAS_FAULT_FLAG: tl.constexpr,
     PREFETCH_IDS: tl.constexpr,
+    ONE_TRIP_LOOP: tl.constexpr,
 ):
     """Stage 1: one program per segment of the balanced schedule (``schedule.py``), in the
     launch order its planner chose: the hardware hands out programs in id order to whichever
@@ -773,14 +778,75 @@ def _mla_decode_stage1(
     index math out of it, live through the walk (sm90: up to 972 B of spills at 255
     registers; gfx942: 20-46 more VGPRs), which one straight walk never has."""
     segment = tl.load(launch_order_ptr + tl.program_id(0))
-    if segment >= 0:
-        unit = tl.load(segments_ptr + segment * 4)
+    # -1: a program with nothing to do. The guard is a branch on NVIDIA; on AMD a loop of at
+    # most one trip, which LLVM's AMDGPU allocator fits without the 1-9 VGPR spills the
+    # branch gets at 96-row groups with 64-bit addressing (bench static, 6 cases); on sm90
+    # such a loop lets LICM hoist the index math again (1000 B of spills).
+    if ONE_TRIP_LOOP:
+        for one in range(tl.maximum(segment, 0), tl.maximum(segment + 1, 0)):
+            _decode_segment(
+                one,
+                segments_ptr,
+                num_groups,
+                q_ptr,
+                q_scale_ptr,
+                kv_ptr,
+                block_table_ptr,
+                seqlens_ptr,
+                out_ptr,
+                lse_ptr,
+                part_out_ptr,
+                part_lse_ptr,
+                fault_ptr,
+                qk_scale,
+                out_scale,
+                num_blocks,
+                max_blocks,
+                stride_q_b,
+                stride_q_i,
+                stride_q_h,
+                stride_kv_block,
+                stride_kv_token,
+                stride_bt_b,
+                stride_out_b,
+                stride_out_h,
+                stride_lse_b,
+                stride_lse_h,
+                stride_part_p,
+                stride_part_r,
+                stride_part_lse_p,
+                Q_LEN,
+                NUM_HEADS,
+                HEAD_DIM_V,
+                ROPE_DIM,
+                PAGE_SIZE,
+                CAUSAL,
+                BLOCK_H,
+                BLOCK_N,
+                BLOCK_W,
+                BLOCK_DV,
+                DV_CHUNKS,
+                BLOCK_DR,
+                K_DTYPE,
+                V_DTYPE,
+                QK_FP8,
+                PV_FP8,
+                V_VIA_REGISTERS,
+                FOLD_IN_BRANCH,
+                KEYS_AS_M,
+                REMAT_ROWS,
+                FP8_DTYPE,
+                FP8_EMULATE_MIN_EXP,
+                P_SCALE,
+                NUM_XCDS,
+                HAS_FAULT_FLAG,
+                PREFETCH_IDS,
+            )
+    elif segment >= 0:
         _decode_segment(
-            unit // num_groups,
-            unit % num_groups,
-            tl.load(segments_ptr + segment * 4 + 1),
-            tl.load(segments_ptr + segment * 4 + 2),
-            tl.load(segments_ptr + segment * 4 + 3),
+            segment,
+            segments_ptr,
+            num_groups,
             q_ptr,
             q_scale_ptr,
             kv_ptr,

@@ -84,6 +84,11 @@ SEARCH_LANES = 64
 OVERHEAD_KEYS = round(SPLIT_OVERHEAD_TOKENS)
 #: Segments per program of the launch-order kernel (and per step of its rank count).
 ORDER_BLOCK = 64
+#: The device planner's sort key of a segment: ``pool << POOL_SHIFT | start * S + slot``
+#: (``start * S + slot`` stays below 2^59: starts are below the budget, at most the step's
+#: keys plus an overhead per unit; 16 pools at most).
+POOL_SHIFT = 59
+MAX_POOLS = 16
 
 
 def partial_capacity(num_slots: int) -> int:
@@ -94,6 +99,17 @@ def partial_capacity(num_slots: int) -> int:
 
 def segment_capacity(num_units: int, num_slots: int) -> int:
     return num_units + num_slots
+
+
+def _check_pools(num_pools: int) -> None:
+    if (
+        isinstance(num_pools, bool)
+        or not isinstance(num_pools, int)
+        or not 1 <= num_pools <= MAX_POOLS
+    ):
+        raise ValueError(
+            f"schedule: num_pools must be an int in [1, {MAX_POOLS}], got {num_pools!r}"
+        )
 
 
 def launch_capacity(num_units: int, num_slots: int, num_pools: int) -> int:
@@ -200,6 +216,7 @@ def host_schedule(
     device: torch.device | str = "cpu",
 ) -> ScheduleTables:
     """The schedule of ``lengths`` (host ints), as the device planner would build it."""
+    _check_pools(num_pools)
     pieces = [_pieces(int(length), capacity_keys) for length in lengths]
     batch = len(pieces)
     units = batch * num_groups
@@ -365,14 +382,16 @@ def _plan_schedule_kernel(
     segments_ptr,  # [B * G + S, 4] int32
     unit_parts_ptr,  # [B * G, 2] int32
     split_units_ptr,  # [S] int32
-    starts_ptr,  # [B * G + S] int64: each segment's planned start x S + its slot
+    starts_ptr,  # [B * G + S] int64: each segment's sort key (POOL_SHIFT)
     launch_order_ptr,  # [launch capacity] int32: cleared to -1 here (_launch_order_kernel)
     batch,
     num_groups,
     num_slots,
+    num_pools,
     capacity_keys,
     launch_programs,
     OVERHEAD: tl.constexpr,
+    POOL_SHIFT: tl.constexpr,
     PIECE: tl.constexpr,
     LANES: tl.constexpr,
     MAX_PASSES: tl.constexpr,
@@ -431,7 +450,8 @@ def _plan_schedule_kernel(
                 slot += 1
                 used = used * 0
                 tl.store(slot_segments_ptr + slot, nseg)
-            tl.store(starts_ptr + nseg, used * num_slots + slot)
+            pool = (slot * num_pools // num_slots).to(tl.int64)
+            tl.store(starts_ptr + nseg, (pool << POOL_SHIFT) + used * num_slots + slot)
             tl.store(segments_ptr + nseg * 4, u)
             tl.store(segments_ptr + nseg * 4 + 1, 0)
             tl.store(segments_ptr + nseg * 4 + 2, 0)
@@ -462,7 +482,8 @@ def _plan_schedule_kernel(
                     tl.store(slot_segments_ptr + slot, nseg)
                     room = fresh
                 take = tl.minimum(n - done_pieces, room)
-                tl.store(starts_ptr + nseg, used * num_slots + slot)
+                pool = (slot * num_pools // num_slots).to(tl.int64)
+                tl.store(starts_ptr + nseg, (pool << POOL_SHIFT) + used * num_slots + slot)
                 tl.store(segments_ptr + nseg * 4, u)
                 tl.store(segments_ptr + nseg * 4 + 1, (done_pieces * PIECE).to(tl.int32))
                 tl.store(segments_ptr + nseg * 4 + 2, ((done_pieces + take) * PIECE).to(tl.int32))
@@ -483,33 +504,33 @@ def _plan_schedule_kernel(
 @triton.jit
 def _launch_order_kernel(
     slot_segments_ptr,  # [S + 1] int32: its last entry counts the segments
-    starts_ptr,  # [B * G + S] int64: planned start x S + slot
+    starts_ptr,  # [B * G + S] int64: pool << POOL_SHIFT | planned start x S + slot
     launch_order_ptr,  # [launch capacity] int32, all -1
     num_slots,
     num_pools,
+    POOL_SHIFT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """``launch_order`` on the device: each segment's position is its rank by planned
-    start among its pool's segments (``start x S + slot`` is unique: a slot's segments
-    each cost at least the overhead), times the pool count, plus its pool."""
+    start among its pool's segments (the keys are unique: a slot's segments each cost at
+    least the overhead), times the pool count, plus its pool. The rank within the pool is
+    the keys below it less the keys of lower pools (no division on the device)."""
     count = tl.load(slot_segments_ptr + num_slots)
     if tl.program_id(0) * BLOCK < count:
         mine = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         valid = mine < count
         key = tl.load(starts_ptr + mine, mask=valid, other=0)
-        pool = (key % num_slots) * num_pools // num_slots
+        pool = key >> POOL_SHIFT
+        floor = pool << POOL_SHIFT
         rank = tl.zeros([BLOCK], tl.int32)
         for j0 in range(0, count, BLOCK):
             other = j0 + tl.arange(0, BLOCK)
             other_key = tl.load(starts_ptr + other, mask=other < count, other=0)
-            other_pool = (other_key % num_slots) * num_pools // num_slots
-            before = (
-                (other < count)[None, :]
-                & (other_pool[None, :] == pool[:, None])
-                & (other_key[None, :] < key[:, None])
-            )
-            rank += tl.sum(before.to(tl.int32), axis=1)
-        tl.store(launch_order_ptr + rank * num_pools + pool, mine, mask=valid)
+            real = (other < count)[None, :]
+            below = real & (other_key[None, :] < key[:, None])
+            lower_pool = real & (other_key[None, :] < floor[:, None])
+            rank += tl.sum(below.to(tl.int32) - lower_pool.to(tl.int32), axis=1)
+        tl.store(launch_order_ptr + rank * num_pools + pool.to(tl.int32), mine, mask=valid)
 
 
 def device_schedule(
@@ -532,9 +553,11 @@ def device_schedule(
         batch,
         tables.num_groups,
         tables.num_slots,
+        tables.num_pools,
         min(capacity_keys, MAX_KEYS),
         tables.launch_order.shape[0],
         OVERHEAD=OVERHEAD_KEYS,
+        POOL_SHIFT=POOL_SHIFT,
         PIECE=PIECE_KEYS,
         LANES=SEARCH_LANES,
         MAX_PASSES=8,
@@ -548,6 +571,7 @@ def device_schedule(
         tables.launch_order,
         tables.num_slots,
         tables.num_pools,
+        POOL_SHIFT=POOL_SHIFT,
         BLOCK=block,
         num_warps=4,
     )
@@ -561,6 +585,7 @@ def empty_tables(
     num_pools: int = 1,
 ) -> ScheduleTables:
     """Tables of the right capacity for ``device_schedule`` to fill."""
+    _check_pools(num_pools)
     units = batch * num_groups
     return ScheduleTables(
         slot_segments=torch.zeros(num_slots + 1, dtype=torch.int32, device=device),

@@ -221,3 +221,11 @@ def test_uniform_schedule_is_the_old_split():
         (1, 256, 320),
     ]
     assert tables.unit_parts.tolist()[1] == [3, 3]
+
+
+@pytest.mark.parametrize("pools", [0, 17, True, 2.0])
+def test_pool_counts_outside_the_sort_key_are_refused(pools):
+    with pytest.raises(ValueError, match=r"num_pools must be an int in \[1, 16\]"):
+        sch.host_schedule([10], num_groups=1, num_slots=4, capacity_keys=BIG, num_pools=pools)
+    with pytest.raises(ValueError, match=r"num_pools must be an int in \[1, 16\]"):
+        sch.empty_tables(1, 1, 4, "cpu", pools)

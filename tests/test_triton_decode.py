@@ -346,6 +346,7 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
                   BLOCK_W=min(config.block_n, 32 if kv_dtype == fp8 else 16),
                   BLOCK_DV=512 // config.dv_chunks, DV_CHUNKS=config.dv_chunks, BLOCK_DR=64,
                   NUM_XCDS=config.num_xcds, HAS_FAULT_FLAG=True, PREFETCH_IDS=config.prefetch_ids,
+                  ONE_TRIP_LOOP=here.backend == "hip",
                   **{k: v for k, v in dot_types.items() if k != "FP8_MAX"})
     # With fp8 Q K^T stage 1 reads q quantized per row (quantize_q).
     q_type = kv_dtype if dot_types["QK_FP8"] else q_dtype
@@ -380,15 +381,15 @@ for block_h in sorted({config.block_h for config, _, _ in kernels}):
                    ms.merge_launch_options(here))
     print(json.dumps({"kernel": "merge_pieces", "group_rows": block_h, **pieces}))
 consts = dict(OVERHEAD=sch.OVERHEAD_KEYS, PIECE=sch.PIECE_KEYS, LANES=sch.SEARCH_LANES,
-              MAX_PASSES=8, BLOCK_B=256)
+              MAX_PASSES=8, BLOCK_B=256, POOL_SHIFT=sch.POOL_SHIFT)
 pointers = {n: "*i64" if n == "starts_ptr" else "*i32"
             for n in sch._plan_schedule_kernel.arg_names if n.endswith("_ptr")}
 planner = build(sch._plan_schedule_kernel, pointers, consts, target, {"num_warps": 4})
 print(json.dumps({"kernel": "plan_schedule", **planner}))
 pointers = {n: "*i64" if n == "starts_ptr" else "*i32"
             for n in sch._launch_order_kernel.arg_names if n.endswith("_ptr")}
-order = build(sch._launch_order_kernel, pointers, dict(BLOCK=sch.ORDER_BLOCK), target,
-              {"num_warps": 4})
+order = build(sch._launch_order_kernel, pointers,
+              dict(POOL_SHIFT=sch.POOL_SHIFT, BLOCK=sch.ORDER_BLOCK), target, {"num_warps": 4})
 print(json.dumps({"kernel": "launch_order", **order}))
 consts = dict(HEAD_DIM=576, BLOCK_R=qq._BLOCK_R, BLOCK_D=1024, FP8_DTYPE=tl_type[fp8],
               OUT_DTYPE=tl_type[fp8], FP8_EMULATE_MIN_EXP=None, FP8_MAX=mda._FP8_MAX[fp8])
