@@ -166,7 +166,7 @@ struct Partials {
   float* acc;  // [slots, group, dv]: sum_j exp(s_j - m) v_j
   float* m;  // [slots, group]: max score
   float* l;  // [slots, group]: sum_j exp(s_j - m)
-  uint8_t* bad;  // [slots]: the chunk was poisoned (its other fields are then garbage)
+  uint8_t* bad;  // [slots, group]: the chunk poisoned that head (its other fields are garbage)
 };
 
 template <typename T>
@@ -199,9 +199,17 @@ void run_task(const Args& a, const T* kv, const Task& task, const Partials& part
       bits |= kFaultBlockId;
       break;
     }
-  // A non-finite query poisons every head of its row, not only the heads of this task.
-  bool poisoned = bits != 0 || !all_finite(a.q + row * a.heads * a.dim, a.heads * a.dim);
+  // A row is one (query position, head): a non-finite query element poisons its head alone,
+  // a fault every head of the position. `live` counts the heads still unpoisoned.
   const float* q = a.q + (row * a.heads + h0) * a.dim;
+  uint8_t local[64];
+  std::vector<uint8_t> heap;
+  uint8_t* bad = g <= 64 ? local : (heap.resize(g), heap.data());
+  int64_t live = 0;
+  for (int64_t h = 0; h < g; ++h) {
+    bad[h] = bits != 0 || !all_finite(q + h * a.dim, a.dim);
+    live += !bad[h];
+  }
   if (bits != 0 && a.fault != nullptr && h0 == 0 && task.k0 == 0)
     __atomic_fetch_or(a.fault, bits, __ATOMIC_RELAXED);
 
@@ -215,7 +223,7 @@ void run_task(const Args& a, const T* kv, const Task& task, const Partials& part
   std::fill(l, l + g, 0.f);
   const float* rows[kStep];
   float p[2 * kStep];
-  for (int64_t t0 = task.k0; t0 < task.k1 && !poisoned; t0 += kStep) {
+  for (int64_t t0 = task.k0; t0 < task.k1 && live > 0; t0 += kStep) {
     const int64_t n = std::min(kStep, task.k1 - t0);
     for (int64_t j = 0; j < kStep; ++j) {
       float* dst = kbuf.data() + j * a.dim;
@@ -232,7 +240,7 @@ void run_task(const Args& a, const T* kv, const Task& task, const Partials& part
         rows[j] = dst;
       }
     }
-    for (int64_t h = 0; h < g && !poisoned; h += 2) {
+    for (int64_t h = 0; h < g; h += 2) {
       const int nh = h + 1 < g ? 2 : 1;  // two heads per pass: one key load, two FMAs
       float* sc = scores.data() + h * kStep;
       if (nh == 2)
@@ -245,11 +253,17 @@ void run_task(const Args& a, const T* kv, const Task& task, const Partials& part
         float* pi = p + i * kStep;
         float mx = m[h + i];
         // With a finite query, a score is finite only if every element of its key row is: a
-        // non-finite one cannot cancel out of the sum. So the scores are the cache probe (and
-        // an overflowed score poisons the row too, as inf - inf would).
+        // non-finite one cannot cancel out of the sum. So the scores are the cache probe (a
+        // non-finite key element poisons every head that scores it), and an overflowed score
+        // poisons its head, as inf - inf would. A poisoned head's sums are garbage, unused.
+        bool finite = true;
         for (int64_t j = 0; j < n; ++j) {
-          poisoned |= !std::isfinite(si[j]);
+          finite &= std::isfinite(si[j]);
           mx = std::max(mx, si[j]);
+        }
+        if (!finite && !bad[h + i]) {
+          bad[h + i] = 1;
+          --live;
         }
         rescale[i] = m[h + i] == -inf ? 0.f : std::exp(m[h + i] - mx);
         float sum = l[h + i] * rescale[i];
@@ -267,12 +281,12 @@ void run_task(const Args& a, const T* kv, const Task& task, const Partials& part
     }
   }
   if (split) {  // normalized by the merge
-    parts.bad[task.slot] = poisoned;
+    std::copy(bad, bad + g, parts.bad + task.slot * a.group);
     return;
   }
   for (int64_t h = 0; h < g; ++h) {
     float* o = out + h * a.dv;
-    if (poisoned) {
+    if (bad[h]) {
       std::fill(o, o + a.dv, nan);
       lse[h] = nan;
       continue;
@@ -285,19 +299,19 @@ void run_task(const Args& a, const T* kv, const Task& task, const Partials& part
 }
 
 // The chunks of one row as the single pass over all its keys would have left them: sums
-// rescaled to the largest max, then normalized. Any poisoned chunk makes the row NaN.
+// rescaled to the largest max, then normalized. A head any chunk poisoned comes out NaN.
 void merge(const Args& a, const Split& sp, const Partials& parts, std::vector<float>& w) {
   const int64_t g = std::min(a.group, a.heads - sp.h0);
   float* out = a.out + (sp.row * a.heads + sp.h0) * a.dv;
   float* lse = a.lse + sp.row * a.heads + sp.h0;
-  bool poisoned = false;
-  for (int64_t c = 0; c < sp.chunks; ++c) poisoned |= parts.bad[sp.slot + c] != 0;
-  if (poisoned) {
-    std::fill(out, out + g * a.dv, std::numeric_limits<float>::quiet_NaN());
-    std::fill(lse, lse + g, std::numeric_limits<float>::quiet_NaN());
-    return;
-  }
   for (int64_t h = 0; h < g; ++h) {
+    bool poisoned = false;
+    for (int64_t c = 0; c < sp.chunks; ++c) poisoned |= parts.bad[(sp.slot + c) * a.group + h] != 0;
+    if (poisoned) {
+      std::fill(out + h * a.dv, out + (h + 1) * a.dv, std::numeric_limits<float>::quiet_NaN());
+      lse[h] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
     // Every chunk saw at least one key and only finite scores: its max is finite, l >= 1.
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < sp.chunks; ++c) mx = std::max(mx, parts.m[(sp.slot + c) * a.group + h]);
@@ -378,7 +392,7 @@ int64_t run(const Args& a, const T* kv, int64_t chunk, int64_t min_chunk, int64_
   int64_t slots = 0;
   const int64_t size = plan(a, chunk, min_chunk, tasks_per_thread, threads, tasks, splits, slots);
   std::vector<float> acc(slots * a.group * a.dv), ml(2 * slots * a.group);
-  std::vector<uint8_t> bad(slots);
+  std::vector<uint8_t> bad(slots * a.group);
   const Partials parts{acc.data(), ml.data(), ml.data() + slots * a.group, bad.data()};
   // Tasks are pulled one at a time from a shared counter (at::parallel_for's own split is
   // static: contiguous runs of tasks, whatever their sizes).

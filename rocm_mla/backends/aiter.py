@@ -34,6 +34,7 @@ so ``auto`` falls back to Triton for them.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from dataclasses import dataclass
@@ -219,6 +220,44 @@ def aiter_faults(
     return visible > good[:, None], bits.reshape(1)
 
 
+def guard_window_keys(
+    problem: DecodeProblem, meta: AiterDecodeMetadata, kv_view: torch.Tensor
+) -> tuple[AiterDecodeMetadata, torch.Tensor]:
+    """A verify window's own keys (positions ``L - S_q + 1 ..``, seen by the later rows of
+    the window only) must not reach the earlier rows: the kernel weighs a causally masked key
+    0, and 0 x a non-finite V element is NaN. So a window key holding a non-finite element
+    is handed to the kernel as a finite stand-in (the request's first key, which every row
+    with a key sees: were it not finite, every such row is NaN anyway), and the rows that do
+    see it are poisoned here. Returns ``(metadata, poison [B, S_q])``; on the device, a
+    gather of ``B x (S_q - 1)`` cache rows, no sync."""
+    p = problem
+    batch, q_len = p.batch, p.q_len
+    none = torch.zeros(batch, q_len, dtype=torch.bool, device=p.q.device)
+    if q_len == 1 or not p.causal or meta.kv_indices.numel() == 0:
+        return meta, none
+    indptr = meta.kv_indptr.to(torch.int64)
+    given = indptr[1:] - indptr[:-1]  # [B] keys the kernel walks
+    offsets = torch.arange(1 - q_len, 0, device=p.q.device)  # the window's S_q - 1 keys
+    position = given[:, None] + offsets  # [B, S_q - 1]
+    real = position >= 0
+    token = (indptr[:-1, None] + position.clamp(min=0)).clamp_(max=meta.kv_indices.numel() - 1)
+    rows = kv_view[meta.kv_indices.to(torch.int64)[token], 0, 0]  # [B, S_q - 1, D]
+    broken = real & ~torch.isfinite(rows.to(torch.float32)).all(dim=-1)
+    # Point the broken tokens at the stand-in (scatter_add of 0/1: duplicates are harmless).
+    replace = torch.zeros(meta.kv_indices.numel(), dtype=torch.int32, device=p.q.device)
+    replace.scatter_add_(0, token.flatten(), broken.flatten().to(torch.int32))
+    first = meta.kv_indices.to(torch.int64)[indptr[:-1].clamp(max=meta.kv_indices.numel() - 1)]
+    owner = torch.searchsorted(
+        indptr[1:], torch.arange(replace.numel(), device=p.q.device), right=True
+    )
+    stand_in = first[owner.clamp_(max=batch - 1)].to(meta.kv_indices.dtype)
+    kv_indices = torch.where(replace > 0, stand_in, meta.kv_indices)
+    # The first broken window key of each request; rows whose window reaches it see it.
+    earliest = torch.where(broken, position, torch.iinfo(torch.int64).max).amin(dim=1)  # [B]
+    poison = visible_lengths(p) > earliest[:, None]
+    return dataclasses.replace(meta, kv_indices=kv_indices), poison
+
+
 def quantize_per_tensor(
     x: torch.Tensor, fp8_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,6 +345,8 @@ class AiterMLAImpl(MLADecodeImpl):
             num_blocks=p.num_blocks,
         )
         poison, fault_bits = aiter_faults(p, meta.kv_indptr)
+        meta, window_poison = guard_window_keys(p, meta, kv_view)
+        poison = poison | window_poison
         if p.fault_flag is not None:
             p.fault_flag.bitwise_or_(fault_bits)
         # Rows with no visible key: the kernel's split reduce leaves 0/0 there.
