@@ -22,12 +22,12 @@ Semantics are those of the torch backend: causal verify windows (row i sees
 ``L - S_q + 1 + i`` keys), out in q's dtype, lse float32 natural log, rows without keys
 0 / -inf. A row is one (query position, head): a non-finite element of its query, or an
 overflowing score, makes that row NaN (out and lse), a non-finite visible cache element every
-head of the positions that see it. Bounds: a row that may see a key whose block-table column is at or past
-``max_blocks``, or whose block id lies outside ``[0, num_blocks)``, or (with ``max_seqlen``,
-a plan's bound) a length above it, is NaN and the cause is ORed into ``fault_flag``
-(``FAULT_*`` of ``rocm_mla.inputs``); such keys are never read. A cut row follows the same
-rules: every chunk checks the bounds of the whole row before reading (so a faulting row
-reads nothing), and one poisoned chunk makes the merged row NaN.
+head of the positions that see it. Bounds: a row that may see a key whose block-table
+column is at or past ``max_blocks``, or whose block id lies outside ``[0, num_blocks)``, or
+(with ``max_seqlen``, a plan's bound) a length above it, is NaN and the cause is ORed into
+``fault_flag`` (``FAULT_*`` of ``rocm_mla.inputs``); such keys are never read. A cut row
+follows the same rules: every chunk checks the bounds of the whole row before reading (so a
+faulting row reads nothing), and a head one chunk poisoned is NaN in the merged row.
 """
 
 from __future__ import annotations
