@@ -25,6 +25,7 @@ constexpr int64_t kStep = 8;
 constexpr int32_t kFaultBlockId = 1;
 constexpr int32_t kFaultBeyondTable = 2;
 constexpr int32_t kFaultBeyondPlan = 4;
+constexpr int32_t kFaultNegativeLength = 8;
 
 // GCC/Clang vector extensions: 16 floats, lowered to AVX-512, AVX2 or SSE by -march.
 typedef float Vec __attribute__((vector_size(64)));
@@ -182,6 +183,12 @@ void run_task(const Args& a, const T* kv, const Task& task, const Partials& part
   float* lse = a.lse + row * a.heads + h0;
 
   const int64_t visible = visible_keys(a, row);
+  if (a.lens[b] < 0) {  // a broken contract, not "no keys": NaN, and the fault bit
+    std::fill(out, out + g * a.dv, nan);
+    std::fill(lse, lse + g, nan);
+    if (a.fault != nullptr && h0 == 0) __atomic_fetch_or(a.fault, kFaultNegativeLength, __ATOMIC_RELAXED);
+    return;
+  }
   if (visible <= 0) {  // never split: written directly
     std::fill(out, out + g * a.dv, 0.f);
     std::fill(lse, lse + g, -inf);

@@ -40,11 +40,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rocm_mla.inputs import FAULT_BEYOND_TABLE, FAULT_BLOCK_ID
+from rocm_mla.inputs import FAULT_BEYOND_TABLE, FAULT_BLOCK_ID, FAULT_NEGATIVE_LENGTH
 from rocm_mla.kernels.quantize_q import to_fp8
 
 _FAULT_BLOCK_ID = tl.constexpr(FAULT_BLOCK_ID)
 _FAULT_BEYOND_TABLE = tl.constexpr(FAULT_BEYOND_TABLE)
+_FAULT_NEGATIVE_LENGTH = tl.constexpr(FAULT_NEGATIVE_LENGTH)
 #: Block-table columns stage 1 checks per step of its bad-id scan.
 _BLOCK_C = tl.constexpr(256)
 
@@ -521,7 +522,8 @@ def _decode_segment(
             first_bad, tl.where(bad, tl.maximum(cols * PAGE_SIZE, start), 2**31 - 1)
         )
     first_bad = tl.min(first_bad, axis=0)
-    unreadable = (first_bad < visible) | beyond_table
+    # A negative length is a broken contract, not "no keys": every row of the request is NaN.
+    unreadable = (first_bad < visible) | beyond_table | (seqlen < 0)
     # Their denominators start as NaN (a NaN denom stays NaN through the walk): nothing
     # of this scan stays live through the loop.
     denom = tl.where(unreadable, float("nan"), denom)
@@ -529,6 +531,7 @@ def _decode_segment(
         faults = tl.where(first_bad < 2**31 - 1, _FAULT_BLOCK_ID, 0)
         beyond = tl.max(beyond_table.to(tl.int32), axis=0) > 0
         faults = faults | tl.where(beyond, _FAULT_BEYOND_TABLE, 0)
+        faults = faults | tl.where(seqlen < 0, _FAULT_NEGATIVE_LENGTH, 0)
         tl.atomic_or(fault_ptr, faults, mask=faults != 0)
 
     # Rows of one verify window see different keys: a key only later rows see has weight 0

@@ -31,6 +31,7 @@ from rocm_mla.inputs import (
     FAULT_BEYOND_PLAN,
     FAULT_BEYOND_TABLE,
     FAULT_BLOCK_ID,
+    FAULT_NEGATIVE_LENGTH,
     FP8_DTYPES,
     KV_DTYPES,
     Q_DTYPES,
@@ -47,6 +48,7 @@ __all__ = [
     "FAULT_BEYOND_PLAN",
     "FAULT_BEYOND_TABLE",
     "FAULT_BLOCK_ID",
+    "FAULT_NEGATIVE_LENGTH",
     "DecodePlan",
     "KVBoundsError",
     "available_backends",
@@ -371,7 +373,8 @@ def mla_decode(
             bits into it on the device (no host sync) when a row may see a key outside the
             cache: ``FAULT_BLOCK_ID`` (a visible key's block id outside ``[0, num_blocks)``),
             ``FAULT_BEYOND_TABLE`` (a visible key past ``max_blocks * block_size``),
-            ``FAULT_BEYOND_PLAN`` (torch, planned: a length above ``plan.max_seqlen``). It is
+            ``FAULT_BEYOND_PLAN`` (torch, planned: a length above ``plan.max_seqlen``),
+            ``FAULT_NEGATIVE_LENGTH`` (a negative length: its request's rows are NaN). It is
             never cleared here: zero it once per step and read it where the step syncs
             anyway (``raise_on_fault(flag, where)`` raises ``KVBoundsError``). Whether or not
             a flag is given, such a key is never read and the rows that may see it come out

@@ -39,12 +39,15 @@ FAULT_BLOCK_ID = 1
 FAULT_BEYOND_TABLE = 2
 #: (planned torch / AITER) lengths beyond the plan (``max_seqlen``, or AITER's ``total_seqlen``):
 FAULT_BEYOND_PLAN = 4
+#: (planned calls) a negative length: every row of that request is NaN.
+FAULT_NEGATIVE_LENGTH = 8
 _FAULT_TEXT = {
     FAULT_BLOCK_ID: "a block id a row may see is outside [0, num_blocks)",
     FAULT_BEYOND_TABLE: "a length exceeds the block table's capacity (max_blocks * block_size)",
     FAULT_BEYOND_PLAN: (
         "the lengths exceed what the plan covers (its max_seqlen or total_seqlen; re-plan the step)"
     ),
+    FAULT_NEGATIVE_LENGTH: "a length is negative",
 }
 
 

@@ -176,14 +176,15 @@ def test_non_finite_visible_key_is_nan_only_in_the_rows_that_see_it(column, valu
     _assert_close(out, lse, *_dense(q, clean, bt, lens), TOL_FP32, rows=~nan)
 
 
-def test_empty_and_negative_lengths_see_no_keys_and_are_no_fault():
+def test_empty_lengths_see_no_keys_and_negative_ones_are_a_fault():
     q, kv, bt, lens = make_paged_problem([0, 2, 7], num_heads=4, q_len=3, head_dim=D)
     lens[2] = INT32_MIN
     flag = _flag()
     out, lse = _run(q, kv, bt, lens, flag=flag)
-    assert int(flag) == 0
-    _assert_close(out, lse, *_dense(q, kv, bt, lens.clamp(min=0)), TOL_FP32)
-    assert (lse[0] == -math.inf).all() and (lse[2] == -math.inf).all()
+    assert int(flag) == 8  # FAULT_NEGATIVE_LENGTH
+    assert torch.isnan(out[2]).all() and torch.isnan(lse[2]).all()
+    _assert_close(out[:2], lse[:2], *_dense(q[:2], kv, bt[:2], lens[:2]), TOL_FP32)
+    assert (lse[0] == -math.inf).all()
     assert (lse[1, 0] == -math.inf).all() and (lse[1, 2] > -math.inf).all()
 
 

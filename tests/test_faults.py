@@ -242,7 +242,7 @@ def test_aiter_all_empty_plan_with_real_lengths_poisons_instead_of_returning_zer
     assert (lse[2] == -math.inf).all() and (out[2] == 0).all()
 
 
-def test_aiter_negative_lengths_are_empty_rows_not_faults(aiter_model):
+def test_aiter_negative_lengths_are_faults_not_empty_rows(aiter_model):
     q, kv, bt, _, lens = aiter_case()
     neg = lens.clone()
     neg[0], neg[2] = -5, INT32_MIN
@@ -250,8 +250,8 @@ def test_aiter_negative_lengths_are_empty_rows_not_faults(aiter_model):
     out, lse = rocm_mla.mla_decode(
         q, kv, bt, neg, plan=plan_for(q, kv, lens.tolist(), "aiter"), fault_flag=flag
     )
-    assert flag.tolist() == [0]
-    assert (lse[[0, 2]] == -math.inf).all() and (out[[0, 2]] == 0).all()
+    assert flag.tolist() == [inputs.FAULT_NEGATIVE_LENGTH]
+    assert torch.isnan(lse[[0, 2]]).all() and torch.isnan(out[[0, 2]]).all()
     ref_out, ref_lse = reference(q, kv, bt, lens)
     torch.testing.assert_close(out[1], ref_out[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse[1], ref_lse[1], atol=1e-5, rtol=1e-5)
@@ -462,6 +462,10 @@ def expected_faults(bt, lens, num_blocks, block_size, q_len, total):
         cut = min(running, total) - start < max(length, 0)
         columns = [c for c in range(max_blocks) if not 0 <= int(bt[b, c]) < num_blocks]
         readable = min([c * block_size for c in columns] + [capacity])
+        if length < 0:  # a broken contract: every row of the request
+            bits |= inputs.FAULT_NEGATIVE_LENGTH
+            poisoned.update((b, i) for i in range(q_len))
+            continue
         for i in range(q_len):
             seen = max(0, length - q_len + 1 + i)
             if seen == 0:

@@ -93,3 +93,34 @@ def test_a_non_finite_value_poisons_exactly_the_rows_that_see_it(backend):
         # Every other row is finite, and the request without keys is empty.
         assert torch.isfinite(out[~nan_rows]).all(), name
         assert (lse[2] == -math.inf).all() and (out[2] == 0).all(), f"{name}: empty request"
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_a_planned_negative_length_is_a_fault_not_an_empty_request(backend, monkeypatch):
+    """A planned call does not check lengths on the host: a negative one makes every row of
+    its request NaN and sets ``FAULT_NEGATIVE_LENGTH``; the other requests are exact. Under
+    ``ROCM_MLA_DEBUG=1`` the call raises instead."""
+    from rocm_mla.inputs import DEBUG_ENV_VAR, FAULT_NEGATIVE_LENGTH, KVBoundsError
+
+    q, kv, bt, _ = make_paged_problem([20, 9, 7], num_heads=16, q_len=2, seed=4)
+    plan = rocm_mla.plan_decode(
+        [20, 9, 7], q_len=2, num_heads=16, kv_dtype=kv.dtype, q_dtype=q.dtype, backend=backend
+    )
+    good = torch.tensor([20, 9, 7], dtype=torch.int32)
+    ref_out, ref_lse = rocm_mla.mla_decode(q, kv, bt, good, head_dim_v=512, plan=plan)
+    lens = torch.tensor([20, -3, 7], dtype=torch.int32)
+    flag = torch.zeros(1, dtype=torch.int32)
+    out, lse = rocm_mla.mla_decode(q, kv, bt, lens, head_dim_v=512, plan=plan, fault_flag=flag)
+    assert int(flag) == FAULT_NEGATIVE_LENGTH
+    assert torch.isnan(lse[1]).all() and torch.isnan(out[1]).all()
+    for b in (0, 2):
+        torch.testing.assert_close(out[b], ref_out[b], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[b], ref_lse[b], atol=1e-5, rtol=1e-5)
+    assert rocm_mla.inputs._FAULT_TEXT[FAULT_NEGATIVE_LENGTH] == "a length is negative"
+    with pytest.raises(KVBoundsError, match="a length is negative"):
+        rocm_mla.raise_on_fault(flag, "step 3")
+    monkeypatch.setenv(DEBUG_ENV_VAR, "1")
+    with pytest.raises(
+        ValueError, match=r"cache_seqlens must be non-negative, got a minimum of -3"
+    ):
+        rocm_mla.mla_decode(q, kv, bt, lens, head_dim_v=512, plan=plan)

@@ -19,6 +19,7 @@ from rocm_mla.inputs import (
     FAULT_BEYOND_PLAN,
     FAULT_BEYOND_TABLE,
     FAULT_BLOCK_ID,
+    FAULT_NEGATIVE_LENGTH,
     prepare_decode,
 )
 from tests.reference import dense_mla_decode, make_paged_problem
@@ -194,16 +195,16 @@ def test_lengths_beyond_the_table_are_never_read(length):
     assert int(flag) == FAULT_BEYOND_TABLE
 
 
-def test_negative_lengths_see_no_keys_and_are_no_fault():
+def test_negative_lengths_are_a_fault_not_an_empty_request():
     q, kv, bt, lens = _problem([20, 7], q_len=2, seed=6)
     lens[0] = INT32_MIN
     flag = torch.zeros(1, dtype=torch.int32)
     out, lse = _planned(q, kv, bt, lens, _plan(q, kv, lengths=[20, 7]), flag)
-    assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
     ref_out, ref_lse = _dense(q, kv, bt, lens.clamp(min=0))
     torch.testing.assert_close(out[1].double(), ref_out[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse[1].double(), ref_lse[1], atol=1e-5, rtol=1e-5)
-    assert int(flag) == 0
+    assert int(flag) == FAULT_NEGATIVE_LENGTH
 
 
 def test_fault_bits_accumulate_and_are_never_cleared():

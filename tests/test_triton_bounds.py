@@ -32,7 +32,13 @@ pytest.importorskip("triton")
 
 import rocm_mla
 from rocm_mla.backends.triton import TritonMLAImpl
-from rocm_mla.inputs import FAULT_BEYOND_PLAN, FAULT_BEYOND_TABLE, FAULT_BLOCK_ID, prepare_decode
+from rocm_mla.inputs import (
+    FAULT_BEYOND_PLAN,
+    FAULT_BEYOND_TABLE,
+    FAULT_BLOCK_ID,
+    FAULT_NEGATIVE_LENGTH,
+    prepare_decode,
+)
 from rocm_mla.kernels import mla_decode as kernel
 from rocm_mla.kernels.tuned_configs import LaunchConfig
 from tests.reference import assert_same_attention, make_paged_problem
@@ -265,16 +271,17 @@ def test_one_key_past_the_table_poisons_only_the_query_that_sees_it(cut):
 
 
 @pytest.mark.parametrize("length", [-1, INT32_MIN])
-def test_negative_lengths_see_nothing_and_are_no_fault(length):
-    """Request 0 plans no piece; the other two are cut."""
+def test_negative_lengths_are_a_fault_and_read_nothing(length):
+    """Request 0 plans no piece (its rows are NaN, FAULT_NEGATIVE_LENGTH); the other two are
+    cut."""
     q, kv, bt, lens = problem(seed=6, cut=True)
     ref_out, ref_lse = reference(q, kv, bt, lens)
     lens[0] = length
     bt[0] = INT32_MIN  # never looked at: no key is visible
     out, lse, fault = decode(q, kv, bt, lens, cut=True)
-    assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
     assert_same_attention(out[1:], lse[1:], ref_out[1:].cpu(), ref_lse[1:].cpu(), 1e-5)
-    assert fault == 0
+    assert fault == FAULT_NEGATIVE_LENGTH
 
 
 def test_both_faults_are_ored_into_a_flag_that_is_never_cleared():

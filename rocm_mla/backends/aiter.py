@@ -48,6 +48,7 @@ from rocm_mla.inputs import (
     FAULT_BEYOND_PLAN,
     FAULT_BEYOND_TABLE,
     FAULT_BLOCK_ID,
+    FAULT_NEGATIVE_LENGTH,
     FP8_DTYPES,
     DecodePlan,
     DecodeProblem,
@@ -211,13 +212,22 @@ def aiter_faults(
     cut = given < p.cache_seqlens.clamp(min=0)  # [B]
     # Rows of a cut request see nothing exactly; the others see first_bad good keys.
     good = torch.where(cut, 0, first_bad)
+    negative = p.cache_seqlens < 0  # [B]: a broken contract, not "no keys"
     seen = torch.stack(
-        [(most > first_bad) & (first_bad < capacity), most > capacity, cut & (most > 0)]
-    ).any(dim=1)  # [3]
+        [
+            (most > first_bad) & (first_bad < capacity),
+            most > capacity,
+            cut & (most > 0),
+            negative,
+        ]
+    ).any(dim=1)  # [4]
     bits = (
-        seen[0] * FAULT_BLOCK_ID + seen[1] * FAULT_BEYOND_TABLE + seen[2] * FAULT_BEYOND_PLAN
+        seen[0] * FAULT_BLOCK_ID
+        + seen[1] * FAULT_BEYOND_TABLE
+        + seen[2] * FAULT_BEYOND_PLAN
+        + seen[3] * FAULT_NEGATIVE_LENGTH
     ).to(torch.int32)
-    return visible > good[:, None], bits.reshape(1)
+    return (visible > good[:, None]) | negative[:, None], bits.reshape(1)
 
 
 def guard_window_keys(

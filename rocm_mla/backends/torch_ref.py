@@ -26,6 +26,7 @@ from rocm_mla.inputs import (
     FAULT_BEYOND_PLAN,
     FAULT_BEYOND_TABLE,
     FAULT_BLOCK_ID,
+    FAULT_NEGATIVE_LENGTH,
     FP8_DTYPES,
     KV_DTYPES,
     Q_DTYPES,
@@ -96,9 +97,10 @@ def torch_mla_decode(
     else:
         first_bad = torch.full((batch,), _NO_KEY, device=device)
     sees_bad_block = first_bad[:, None] < visible
-    poisoned = sees_bad_block | (visible > reach)  # [B, S_q]
+    negative = (p.cache_seqlens < 0)[:, None]  # a broken contract, not "no keys"
+    poisoned = sees_bad_block | (visible > reach) | negative  # [B, S_q]
     if p.fault_flag is not None:
-        bits = sees_bad_block.any() * FAULT_BLOCK_ID
+        bits = sees_bad_block.any() * FAULT_BLOCK_ID + negative.any() * FAULT_NEGATIVE_LENGTH
         bits = bits + (visible > max_blocks * block_size).any() * FAULT_BEYOND_TABLE
         if plan is not None:
             bits = bits + (visible > plan.max_seqlen).any() * FAULT_BEYOND_PLAN
