@@ -384,7 +384,8 @@ def probe_gates() -> dict:
             "plan_slots_per_cu": 1.0,
             "schedule": ks.schedule_facts(32, 4096, groups, slots, 4096),
             "kv_cache_bytes": 4096 * 576 * 2,
-            "grid": [slots],
+            "launch_capacity": 32 * groups + slots,  # schedule.launch_capacity, one pool
+            "grid": [32 * groups + slots],
             "stage1": info["key"],
             "planner": info["key"],
             "keys": [info["key"]],
