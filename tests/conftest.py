@@ -24,12 +24,14 @@ def _skip_reason(marker: str) -> str | None:
             return "needs a visible AMD GPU"
     if marker == "vllm" and importlib.util.find_spec("vllm") is None:
         return "needs vLLM (run `make test-vllm`, which uses its own venv)"
+    if marker == "sglang" and importlib.util.find_spec("sglang") is None:
+        return "needs SGLang (run `make test-sglang`, which uses its own venv)"
     return None
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        for marker in ("gpu", "rocm", "vllm"):
+        for marker in ("gpu", "rocm", "vllm", "sglang"):
             if item.get_closest_marker(marker):
                 reason = _skip_reason(marker)
                 if reason:
