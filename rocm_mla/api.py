@@ -39,6 +39,7 @@ from rocm_mla.inputs import (
     DecodeSpec,
     KVBoundsError,
     check_seqlens_and_blocks,
+    planned_lengths,
     prepare_decode,
     raise_on_fault,
 )
@@ -129,20 +130,12 @@ def plan_decode(
             f"plan_decode: q_dtype must be float32, float16 or bfloat16, got {q_dtype!r}"
         )
 
-    if isinstance(cache_seqlens, torch.Tensor):
-        if cache_seqlens.dim() != 1 or cache_seqlens.dtype.is_floating_point:
-            raise ValueError(
-                "plan_decode: cache_seqlens must be a 1-D integer tensor [B], got "
-                f"{tuple(cache_seqlens.shape)} {cache_seqlens.dtype}"
-            )
-        lens_device = cache_seqlens.device
-        lens = cache_seqlens
+    lens = planned_lengths("plan_decode", cache_seqlens)
+    if isinstance(lens, torch.Tensor):
+        lens_device = lens.device
     else:
-        values = list(cache_seqlens)
-        if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
-            raise ValueError(f"plan_decode: cache_seqlens must be ints, got {values!r}")
         lens_device = None
-        lens = torch.tensor(values, dtype=torch.int64)
+        lens = torch.tensor(lens, dtype=torch.int64)
     batch = lens.shape[0]
     if batch < 1:
         raise ValueError("plan_decode: cache_seqlens must hold at least one request, got []")
@@ -281,14 +274,11 @@ def plan_schedule(
     from rocm_mla.kernels.plan import plan_launch
     from rocm_mla.kernels.target import triton_target
 
-    if isinstance(cache_seqlens, torch.Tensor):
-        lengths = [int(v) for v in cache_seqlens.tolist()]
-    else:
-        lengths = list(cache_seqlens)
-    if not lengths or any(isinstance(v, bool) or not isinstance(v, int) for v in lengths):
-        raise ValueError(
-            f"plan_schedule: cache_seqlens must be a non-empty list of ints, got {lengths!r}"
-        )
+    lengths = planned_lengths("plan_schedule", cache_seqlens)
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.tolist()
+    if not lengths:
+        raise ValueError("plan_schedule: cache_seqlens must hold at least one request, got []")
     if q_dtype is None:
         q_dtype = torch.bfloat16 if kv_dtype in FP8_DTYPES else kv_dtype
     target = triton_target() if target is None else target

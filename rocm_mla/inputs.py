@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,7 +261,11 @@ def check_decode_args(
     batch, q_len, num_heads, head_dim = q.shape
     if batch < 1 or q_len < 1 or num_heads < 1:
         raise _fail("q", "non-empty in batch, q_len and num_heads", _describe(q))
-    if not isinstance(head_dim_v, int) or not 0 < head_dim_v < head_dim:
+    if (
+        isinstance(head_dim_v, bool)
+        or not isinstance(head_dim_v, int)
+        or not 0 < head_dim_v < head_dim
+    ):
         raise _fail(
             "head_dim_v", f"an int in (0, {head_dim}) (q's head_dim holds V plus rope)", head_dim_v
         )
@@ -315,6 +320,8 @@ def check_decode_args(
         if kv_scale is None:
             raise _fail("kv_scale", f"the per-tensor scale of the {kv_cache.dtype} cache", None)
         if isinstance(kv_scale, torch.Tensor):
+            if not kv_scale.dtype.is_floating_point:
+                raise _fail("kv_scale", "a floating-point scalar tensor", _describe(kv_scale))
             if kv_scale.numel() != 1:
                 raise _fail("kv_scale", "a scalar (per-tensor scale)", _describe(kv_scale))
             if not read_scale:
@@ -325,6 +332,12 @@ def check_decode_args(
                     _describe(kv_scale),
                 )
             kv_scale = float(kv_scale.item())
+        elif isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)):
+            raise _fail(
+                "kv_scale",
+                "a positive finite number (or a floating-point scalar tensor)",
+                repr(kv_scale),
+            )
         kv_scale = float(kv_scale)
         if not (math.isfinite(kv_scale) and kv_scale > 0):
             raise _fail("kv_scale", "a positive finite scale", kv_scale)
@@ -352,6 +365,29 @@ def check_decode_args(
         kv_scale=kv_scale if kv_cache.dtype in FP8_DTYPES else None,
         fault_flag=fault_flag,
     )
+
+
+def planned_lengths(where: str, cache_seqlens: object) -> torch.Tensor | list[int]:
+    """The ``cache_seqlens`` a planner takes, checked for type: a 1-D integer tensor ``[B]``
+    (returned as is, not read) or a sequence of Python ints (returned as a list).
+
+    A bool is not a length (``True`` would plan one token), nor is a float (it would be cut to
+    an int) or a complex value; ``ValueError`` naming ``where`` and what came.
+    """
+    expected = "ints: a 1-D integer tensor [B] or a list of Python ints (a bool is not a length)"
+    if isinstance(cache_seqlens, torch.Tensor):
+        dtype = cache_seqlens.dtype
+        not_int = dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
+        if not_int or cache_seqlens.dim() != 1:
+            got = f"{tuple(cache_seqlens.shape)} {dtype}"
+            raise ValueError(f"{where}: cache_seqlens must be {expected}, got {got}")
+        return cache_seqlens
+    if isinstance(cache_seqlens, (str, bytes)) or not isinstance(cache_seqlens, Sequence):
+        raise ValueError(f"{where}: cache_seqlens must be {expected}, got {cache_seqlens!r}")
+    values = list(cache_seqlens)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise ValueError(f"{where}: cache_seqlens must be {expected}, got {values!r}")
+    return values
 
 
 def check_decode_values(problem: DecodeProblem) -> None:

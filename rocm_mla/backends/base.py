@@ -75,12 +75,13 @@ class MLADecodeImpl:
         dcp_rank: int | None = -1,
     ) -> None:
         self.dcp_world_size, self.dcp_rank = normalize_cp(dcp_world_size, dcp_rank)
-        if not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"{self.name}: num_heads must be an int >= 1, got {num_heads!r}")
-        if not isinstance(head_dim_v, int) or head_dim_v < 1:
-            raise ValueError(f"{self.name}: head_dim_v must be an int >= 1, got {head_dim_v!r}")
-        if not isinstance(rope_dim, int) or rope_dim < 0:
-            raise ValueError(f"{self.name}: rope_dim must be an int >= 0, got {rope_dim!r}")
+        for name, value, low in (
+            ("num_heads", num_heads, 1),
+            ("head_dim_v", head_dim_v, 1),
+            ("rope_dim", rope_dim, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{self.name}: {name} must be an int >= {low}, got {value!r}")
         self.num_heads = num_heads
         self.head_dim_v = head_dim_v
         self.rope_dim = rope_dim

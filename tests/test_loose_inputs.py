@@ -1,0 +1,102 @@
+"""The last loose inputs, refused by name before any work (issue 30, item 5).
+
+Each refusal names the argument (or the config.json file and key, or the checkpoint tensor),
+says what was expected and what came: bool lengths, ``head_dim_v=True`` and a string
+``kv_scale`` in the decode entry points; prompts that are not sequences of ints; empty CLI
+ids; oversized config integers; non-finite weights; an absurd ``logit_scale``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rocm_mla import mla_decode, plan_decode, plan_schedule
+from rocm_mla.backends import backend_class
+
+# ---- decode arguments ------------------------------------------------------------------------
+
+HEAD_DIM_V, ROPE = 8, 4
+
+
+def _decode_inputs(kv_dtype: torch.dtype = torch.float32):
+    """``(q, kv_cache, block_table, cache_seqlens)`` of one request of 3 tokens, on the CPU."""
+    q = torch.randn(1, 1, 2, HEAD_DIM_V + ROPE)
+    kv_cache = torch.randn(2, 4, HEAD_DIM_V + ROPE).to(kv_dtype)
+    block_table = torch.zeros(1, 2, dtype=torch.int32)
+    return q, kv_cache, block_table, torch.tensor([3], dtype=torch.int32)
+
+
+def _plan(lens):
+    return plan_decode(
+        lens, q_len=1, num_heads=2, head_dim_v=HEAD_DIM_V, rope_dim=ROPE, kv_dtype=torch.float32
+    )
+
+
+def _schedule(lens):
+    return plan_schedule(
+        lens, q_len=1, num_heads=2, head_dim_v=HEAD_DIM_V, rope_dim=ROPE, kv_dtype=torch.float32
+    )
+
+
+@pytest.mark.parametrize("planner, name", [(_plan, "plan_decode"), (_schedule, "plan_schedule")])
+@pytest.mark.parametrize(
+    "lens, got",
+    [
+        (torch.tensor([True, False]), r"torch\.bool"),
+        ([True, False], r"\[True, False\]"),
+        ([3, True], r"\[3, True\]"),
+        (torch.tensor([3.0, 1.5]), r"torch\.float32"),
+        (torch.tensor([3 + 0j]), r"torch\.complex64"),
+    ],
+)
+def test_lengths_that_are_not_integers_are_refused_by_the_planners(planner, name, lens, got):
+    with pytest.raises(ValueError, match=rf"^{name}: cache_seqlens must be .*, got .*{got}"):
+        planner(lens)
+
+
+def test_bool_lengths_are_refused_by_the_one_shot_call():
+    q, kv_cache, block_table, _ = _decode_inputs()
+    with pytest.raises(ValueError, match=r"^mla_decode: cache_seqlens must be int32, got torch\."):
+        mla_decode(q, kv_cache, block_table, torch.tensor([True]), head_dim_v=HEAD_DIM_V)
+
+
+@pytest.mark.parametrize("value", [True, False, 8.0, "8", np.int64(8)])
+def test_head_dim_v_must_be_an_int(value):
+    q, kv_cache, block_table, lens = _decode_inputs()
+    with pytest.raises(ValueError, match=r"^mla_decode: head_dim_v must be an int in \(0, 12\)"):
+        mla_decode(q, kv_cache, block_table, lens, head_dim_v=value)
+
+
+@pytest.mark.parametrize("name", ["num_heads", "head_dim_v", "rope_dim"])
+def test_the_backend_impl_refuses_bool_sizes(name):
+    kwargs = {"num_heads": 2, "head_dim_v": HEAD_DIM_V, "rope_dim": ROPE, name: True}
+    with pytest.raises(ValueError, match=rf"^torch: {name} must be an int >= \d, got True$"):
+        backend_class("torch")(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "scale, got",
+    [
+        ("1", r"'1'"),
+        (b"1", r"b'1'"),
+        (True, r"True"),
+        (torch.tensor(True), r"\(\) torch\.bool"),
+        (torch.tensor(2), r"\(\) torch\.int64"),
+    ],
+)
+def test_kv_scale_must_be_a_number_or_a_float_tensor(scale, got):
+    q, kv_cache, block_table, lens = _decode_inputs(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=rf"^mla_decode: kv_scale must be .*, got {got}"):
+        mla_decode(q, kv_cache, block_table, lens, head_dim_v=HEAD_DIM_V, kv_scale=scale)
+
+
+def test_numeric_kv_scales_still_pass():
+    q, kv_cache, block_table, lens = _decode_inputs(torch.float8_e4m3fn)
+    outs = [
+        mla_decode(q, kv_cache, block_table, lens, head_dim_v=HEAD_DIM_V, kv_scale=scale)[0]
+        for scale in (2, 2.0, torch.tensor(2.0), torch.tensor([2.0], dtype=torch.bfloat16))
+    ]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0])
