@@ -8,12 +8,17 @@ ids; oversized config integers; non-finite weights; an absurd ``logit_scale``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from rocm_mla import mla_decode, plan_decode, plan_schedule
 from rocm_mla.backends import backend_class
+from rocm_mla.engine import LLM
+from rocm_mla.engine.worker import EngineOptions, StageWorker
+from rocm_mla.models.kimi_k3 import make_tiny
 
 # ---- decode arguments ------------------------------------------------------------------------
 
@@ -100,3 +105,68 @@ def test_numeric_kv_scales_still_pass():
     ]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0])
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny("kimi_linear", tmp_path_factory.mktemp("loose") / "kl", seed=2)
+
+
+@pytest.fixture(scope="module")
+def local(tiny):
+    with LLM(tiny, block_size=4, device="cpu") as llm:
+        yield llm
+
+
+#: ``(prompt_token_ids, the start of the message)``: not one of them is a list of int lists.
+BAD_PROMPTS = [
+    ({0: [1, 2]}, r"prompt_token_ids: expected a non-empty list of token-id lists"),
+    ("12", r"prompt_token_ids: expected a non-empty list of token-id lists"),
+    ([{1: "a", 2: "b"}], r"prompt_token_ids\[0\]: expected a list of ints, got a dict"),
+    ([[1], {1: 2}.keys()], r"prompt_token_ids\[1\]: expected a list of ints, got a dict_keys"),
+    ([{3, 1, 2}], r"prompt_token_ids\[0\]: expected a list of ints, got a set"),
+    ([iter([1, 2])], r"prompt_token_ids\[0\]: expected a list of ints, got a list_iterator"),
+    (["12"], r"prompt_token_ids\[0\]: expected a list of ints, got a str"),
+    ([[1.0, 2.0]], r"prompt_token_ids\[0\]\[0\]: expected an int token id, got 1\.0 \(float\)"),
+    ([[1, True]], r"prompt_token_ids\[0\]\[1\]: expected an int token id, got True \(bool\)"),
+    ([[[1], [2]]], r"prompt_token_ids\[0\]\[0\]: expected an int token id, got \[1\] \(list\)"),
+    (
+        [torch.tensor([[1], [2]])],
+        r"prompt_token_ids\[0\]: expected a list of ints, got a 2-D Tensor",
+    ),
+    ([np.array([[1], [2]])], r"prompt_token_ids\[0\]: expected a list of ints, got a 2-D ndarray"),
+    ([[torch.tensor([1])]], r"prompt_token_ids\[0\]\[0\]: expected an int token id, got tensor"),
+]
+
+
+@pytest.mark.parametrize("prompts, match", BAD_PROMPTS)
+def test_generate_refuses_prompts_not_sequences_of_ints(local, monkeypatch, prompts, match):
+    def work(*args, **kwargs):
+        raise AssertionError("generate ran before refusing its prompts")
+
+    monkeypatch.setattr(local, "_call", work)
+    with pytest.raises(ValueError, match=f"^{match}"):
+        local.generate(prompts, 1)
+    with pytest.raises(ValueError, match=f"^{match}"):
+        local.score(prompts)
+
+
+@pytest.fixture(scope="module")
+def worker(tiny) -> StageWorker:
+    return StageWorker.load(str(tiny), EngineOptions(block_size=4), None, "cpu")
+
+
+@pytest.mark.parametrize("prompts, match", BAD_PROMPTS)
+def test_the_worker_refuses_them_too(worker, prompts, match):
+    for call in (lambda: worker.generate(prompts, 1), lambda: worker.score(prompts)):
+        with pytest.raises(ValueError, match=f"^{match}"):
+            call()
+
+
+def test_sequences_arrays_and_tensors_of_ints_are_prompts(local):
+    plain = local.generate([[1, 2, 3]], 2)
+    for prompt in ((1, 2, 3), range(1, 4), np.array([1, 2, 3]), torch.tensor([1, 2, 3])):
+        assert local.generate([prompt], 2) == plain, prompt

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import operator
 import os
 import pickle
 import secrets
@@ -64,6 +63,7 @@ from rocm_mla.distributed import (
     pin_to_loopback,
 )
 from rocm_mla.engine.cache import CacheFullError, resolve_cache_dtype
+from rocm_mla.engine.prompts import check_prompts, token_id
 from rocm_mla.engine.worker import (
     CONTROL_PURPOSE,
     HEARTBEAT_S,
@@ -167,18 +167,6 @@ def local_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _token_id(value: object, where: str) -> int:
-    """``value`` as a token id: a Python int, or a numpy/torch integer scalar; never a bool,
-    float or string (those would be silently coerced to some other token)."""
-    is_bool = isinstance(value, bool) or getattr(value, "dtype", None) in (torch.bool, "bool")
-    if not is_bool and not isinstance(value, (float, str, bytes)):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise ValueError(f"{where}: expected an int token id, got {value!r} ({type(value).__name__})")
-
-
 def placement(world: int, device: str | torch.device | None) -> tuple[str, str]:
     """``(process-group backend, device type)`` of ``world`` worker processes.
 
@@ -210,39 +198,6 @@ def placement(world: int, device: str | torch.device | None) -> tuple[str, str]:
     return "nccl", "cuda"
 
 
-def check_prompts(
-    config: KimiK3Config, prompt_token_ids: list[list[int]], max_new_tokens: int = 0
-) -> list[list[int]]:
-    """``prompt_token_ids`` as lists of ints, each id in the vocabulary and each prompt plus
-    ``max_new_tokens`` within the model's positions; ``ValueError`` naming the entry."""
-    if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-        raise ValueError("prompt_token_ids: expected a non-empty list of token-id lists")
-    vocab = config.vocab_size
-    limit = config.max_position_embeddings
-    prompts = []
-    for i, prompt in enumerate(prompt_token_ids):
-        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-            raise ValueError(f"prompt_token_ids[{i}]: expected a list of ints, got {prompt!r}")
-        ids = [_token_id(t, f"prompt_token_ids[{i}][{j}]") for j, t in enumerate(prompt)]
-        if not ids:
-            raise ValueError(f"prompt_token_ids[{i}]: a prompt needs at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids[{i}]: token ids must lie in [0, {vocab}), got {bad[:5]}"
-            )
-        if len(ids) + max_new_tokens > limit:
-            raise ValueError(
-                f"max_new_tokens: prompt {i} has {len(ids)} tokens, + max_new_tokens="
-                f"{max_new_tokens} passes the model's max_position_embeddings={limit}"
-                if max_new_tokens
-                else f"prompt_token_ids[{i}]: {len(ids)} tokens pass the model's "
-                f"max_position_embeddings={limit}"
-            )
-        prompts.append(ids)
-    return prompts
-
-
 def check_generate_args(
     config: KimiK3Config,
     prompt_token_ids: list[list[int]],
@@ -263,8 +218,8 @@ def check_generate_args(
     if eos_token_id is None:
         return prompts, ()
     if isinstance(eos_token_id, (list, tuple, set, frozenset)):
-        return prompts, tuple(_token_id(t, "eos_token_id") for t in eos_token_id)
-    return prompts, (_token_id(eos_token_id, "eos_token_id"),)
+        return prompts, tuple(token_id(t, "eos_token_id") for t in eos_token_id)
+    return prompts, (token_id(eos_token_id, "eos_token_id"),)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from rocm_mla.distributed import ParallelState, connect_store, init_parallel, token_connect
 from rocm_mla.engine.cache import CacheFullError, resolve_cache_dtype
 from rocm_mla.engine.graphs import DecodeGraphs
+from rocm_mla.engine.prompts import check_prompts
 from rocm_mla.engine.runner import DecodeAttention, Request, Runner
 from rocm_mla.inputs import FP8_DTYPES, raise_on_fault
 from rocm_mla.models.kimi_k3 import KimiK3ForCausalLM, StageIO, load_model
@@ -272,8 +273,10 @@ class StageWorker:
 
         Every rank calls this with the same arguments. A finished request's blocks and state
         slot go back to the pools at once while the others keep decoding. ``progress(step,
-        max_new_tokens)`` is called after each sampled step.
+        max_new_tokens)`` is called after each sampled step. ``prompts`` are checked as
+        ``LLM.generate`` checks them (``rocm_mla.engine.prompts``).
         """
+        prompts = check_prompts(self.model.config, prompts, max_new_tokens)
         if max_new_tokens == 0:
             return [[] for _ in prompts]
         requests = self.runner.admit(prompts, max_new_tokens)
@@ -312,6 +315,7 @@ class StageWorker:
     @torch.no_grad()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor] | None:
         """Prefill logits ``[len, vocab]`` per prompt on last-stage ranks (None elsewhere)."""
+        prompts = check_prompts(self.model.config, prompts)
         requests = self.runner.admit(prompts, 0)
         try:
             meta, ids = self.runner.prefill(requests)
