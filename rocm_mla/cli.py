@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -95,11 +96,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+#: One id of ``--prompt-ids``: ASCII digits with an optional sign. Python's ``int`` would also
+#: read ``1_0`` as 10 and other scripts' digits; an empty entry (``1,,2``) is a typo too.
+_ID = re.compile(r"[+-]?[0-9]+")
+
+
 def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise ValueError(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
+    entries = [t.strip() for t in text.split(",")]
+    if not all(_ID.fullmatch(t) for t in entries):
+        raise ValueError(
+            "--prompt-ids: expected comma-separated integers (one id between every two "
+            f"commas), got {text!r}"
+        )
+    return [int(t) for t in entries]
 
 
 def _tokenizer(model_dir: str):

@@ -17,6 +17,7 @@ import torch
 from rocm_mla import mla_decode, plan_decode, plan_schedule
 from rocm_mla.backends import backend_class
 from rocm_mla.engine import LLM
+from rocm_mla.engine import llm as llm_module
 from rocm_mla.engine.worker import EngineOptions, StageWorker
 from rocm_mla.models.kimi_k3 import make_tiny
 
@@ -170,3 +171,38 @@ def test_sequences_arrays_and_tensors_of_ints_are_prompts(local):
     plain = local.generate([[1, 2, 3]], 2)
     for prompt in ((1, 2, 3), range(1, 4), np.array([1, 2, 3]), torch.tensor([1, 2, 3])):
         assert local.generate([prompt], 2) == plain, prompt
+
+
+# ---- CLI ids ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Loading weights or starting workers fails the test: every refusal must come first."""
+
+    def work(*args, **kwargs):
+        raise AssertionError("the CLI started work (loading or spawning) before refusing")
+
+    monkeypatch.setattr(llm_module.StageWorker, "load", work)
+    monkeypatch.setattr(llm_module, "WorkerGroup", work)
+
+
+@pytest.mark.parametrize("ids", ["1,,2", "", ",", "1,2,", ",1", " ", "1, ,2", "1_0", "0x1", "١"])
+def test_empty_or_malformed_prompt_ids_are_one_line_naming_the_flag(tiny, no_work, capsys, ids):
+    from rocm_mla import cli
+
+    argv = ["generate", "--model", str(tiny), "--prompt-ids", "1,2", "--prompt-ids", ids]
+    assert cli.main([*argv, "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert err == (
+        "rocm-mla generate: --prompt-ids: expected comma-separated integers (one id between "
+        f"every two commas), got {ids!r}\n"
+    ), err
+    assert out == ""
+
+
+def test_spaces_around_prompt_ids_are_fine():
+    from rocm_mla import cli
+
+    assert cli._parse_ids(" 1, 2 ,+3 ") == [1, 2, 3]
+    assert cli._parse_ids("-1") == [-1]  # refused later, by the vocabulary check
