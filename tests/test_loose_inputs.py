@@ -8,6 +8,8 @@ ids; oversized config integers; non-finite weights; an absurd ``logit_scale``.
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,8 @@ from rocm_mla.backends import backend_class
 from rocm_mla.engine import LLM
 from rocm_mla.engine import llm as llm_module
 from rocm_mla.engine.worker import EngineOptions, StageWorker
-from rocm_mla.models.kimi_k3 import make_tiny
+from rocm_mla.models.kimi_k3 import KimiK3Config, load_model, make_tiny
+from rocm_mla.models.kimi_k3.loader import CheckpointError
 
 # ---- decode arguments ------------------------------------------------------------------------
 
@@ -206,3 +209,76 @@ def test_spaces_around_prompt_ids_are_fine():
 
     assert cli._parse_ids(" 1, 2 ,+3 ") == [1, 2, 3]
     assert cli._parse_ids("-1") == [-1]  # refused later, by the vocabulary check
+
+
+# ---- config.json integers --------------------------------------------------------------------
+
+
+def _config_text(arch: str, key: tuple, digits: str) -> str:
+    """A tiny config.json as released, with the JSON number ``digits`` at ``key``."""
+    text = KimiK3Config.tiny(arch).to_dict()
+    raw = {"tie_word_embeddings": text.pop("tie_word_embeddings")}
+    raw = {"model_type": "kimi_k3", **raw, "text_config": text} if arch == "kimi_k3" else text
+    node = raw
+    for part in key[:-1]:
+        node = node[part]
+    node[key[-1]] = "@NUMBER@"
+    return json.dumps(raw).replace('"@NUMBER@"', digits)
+
+
+@pytest.mark.parametrize(
+    "arch, key, named",
+    [
+        ("kimi_linear", ("vocab_size",), "vocab_size"),
+        ("kimi_k3", ("text_config", "vocab_size"), "text_config.vocab_size"),
+        ("kimi_k3", ("text_config", "rope_theta"), "text_config.rope_theta"),
+        (
+            "kimi_linear",
+            ("linear_attn_config", "full_attn_layers", 0),
+            r"linear_attn_config.full_attn_layers\[0\]",
+        ),
+    ],
+)
+@pytest.mark.parametrize("digits", ["9" * 5000, "-" + "9" * 5000, "9" * 101])
+def test_an_oversized_config_integer_names_the_file_and_key(tmp_path, arch, key, named, digits):
+    file = tmp_path / "config.json"
+    file.write_text(_config_text(arch, key, digits))
+    count = len(digits.lstrip("-"))
+    with pytest.raises(ValueError) as err:
+        KimiK3Config.from_pretrained(tmp_path)
+    text = str(err.value)
+    assert "\n" not in text and "limit" not in text, text
+    expected = (
+        rf"{named}: expected a number of at most 100 digits, got an integer of {count} digits"
+    )
+    assert re.fullmatch(rf"{re.escape(str(file))}: {expected}", text), text
+
+
+def test_an_oversized_integer_in_the_index_names_the_file_and_key(tiny, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (model / name).write_bytes((tiny / name).read_bytes())
+    index = model / "model.safetensors.index.json"
+    index.write_text('{"metadata": {"total_size": ' + "7" * 5000 + '}, "weight_map": {}}')
+    match = rf"^{re.escape(str(index))}: metadata\.total_size: expected a number of at most 100"
+    with pytest.raises(CheckpointError, match=match):
+        load_model(model)
+
+
+@pytest.mark.parametrize("value", [10**40, 2**31, -1])
+def test_an_integer_that_parses_but_is_absurd_for_its_field_is_refused(tmp_path, value):
+    file = tmp_path / "config.json"
+    file.write_text(_config_text("kimi_k3", ("text_config", "vocab_size"), str(value)))
+    match = (
+        rf"^{re.escape(str(file))}: vocab_size: expected an int in \[1, 16777216\], got {value}$"
+    )
+    with pytest.raises(ValueError, match=match):
+        KimiK3Config.from_pretrained(tmp_path)
+
+
+def test_released_sized_numbers_still_parse(tmp_path):
+    (tmp_path / "config.json").write_text(
+        _config_text("kimi_k3", ("text_config", "rope_theta"), "1" + "0" * 99)
+    )
+    assert KimiK3Config.from_pretrained(tmp_path).rope_theta == 10**99

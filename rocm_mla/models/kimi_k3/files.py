@@ -3,7 +3,8 @@
 ``checkpoint_file`` refuses names that lead out of the model directory (an index that points
 at ``/etc/passwd``); ``read_json_object`` reads a config/index file and fails with one line
 naming the file for anything that is not a JSON object: invalid JSON, a top-level list or
-null, or nesting deep enough to exhaust the parser's recursion.
+null, or nesting deep enough to exhaust the parser's recursion; and naming the file and key
+for an integer too long to be any config value.
 """
 
 from __future__ import annotations
@@ -46,10 +47,46 @@ def checkpoint_file(root: str | Path, name: str) -> Path:
     return root / relative
 
 
+#: Digits a JSON integer of a config or index may have. Every real value has far fewer (a
+#: byte count has 20 at most); past Python's own limit (4300) ``json`` would fail naming
+#: neither file nor key, and a long one below it would fill the error of its range check.
+MAX_JSON_INT_DIGITS = 100
+
+
+class _LongInt:
+    """A JSON integer of more than ``MAX_JSON_INT_DIGITS`` digits, kept unconverted until
+    ``_refuse_long_ints`` names its key."""
+
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+
+
+def _parse_int(text: str) -> int | _LongInt:
+    return _LongInt(text) if len(text.lstrip("-")) > MAX_JSON_INT_DIGITS else int(text)
+
+
+def _refuse_long_ints(value: Any, key: str) -> None:
+    """``ValueError`` naming the key (``text_config.vocab_size``, ``a.b[2]``) of the first
+    ``_LongInt`` in ``value``."""
+    if isinstance(value, _LongInt):
+        raise ValueError(
+            f"{key}: expected a number of at most {MAX_JSON_INT_DIGITS} digits, got an integer "
+            f"of {value.digits} digits"
+        )
+    if isinstance(value, dict):
+        for name, item in value.items():
+            _refuse_long_ints(item, f"{key}.{name}" if key else name)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_long_ints(item, f"{key}[{i}]")
+
+
 def read_json_object(file: Path) -> dict[str, Any]:
-    """The JSON object in ``file``; ``ValueError`` naming the file when it is anything else."""
+    """The JSON object in ``file``; ``ValueError`` naming the file when it is anything else,
+    or naming the file and key of an integer longer than ``MAX_JSON_INT_DIGITS``."""
     try:
-        raw = json.loads(file.read_bytes())
+        raw = json.loads(file.read_bytes(), parse_int=_parse_int)
+        _refuse_long_ints(raw, "")
     except json.JSONDecodeError as err:
         raise ValueError(
             f"{file}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})"
@@ -59,6 +96,8 @@ def read_json_object(file: Path) -> dict[str, Any]:
     except RecursionError:
         # Python's parser recurses once per nesting level; no real config nests past ~5.
         raise ValueError(f"{file}: JSON nested too deeply to be a config") from None
+    except ValueError as err:
+        raise ValueError(f"{file}: {err}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{file}: expected a JSON object at the top level, got {json_kind(raw)}")
     return raw
