@@ -9,12 +9,14 @@ ids; oversized config integers; non-finite weights; an absurd ``logit_scale``.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from rocm_mla import mla_decode, plan_decode, plan_schedule
 from rocm_mla.backends import backend_class
@@ -282,3 +284,48 @@ def test_released_sized_numbers_still_parse(tmp_path):
         _config_text("kimi_k3", ("text_config", "rope_theta"), "1" + "0" * 99)
     )
     assert KimiK3Config.from_pretrained(tmp_path).rope_theta == 10**99
+
+
+# ---- weights ---------------------------------------------------------------------------------
+
+
+def _with_tensors(src: Path, dst: Path, edit) -> Path:
+    dst.mkdir()
+    (dst / "config.json").write_bytes((src / "config.json").read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+NORM = "model.layers.0.input_layernorm.weight"
+EMBED = "model.embed_tokens.weight"
+A_LOG = "model.layers.0.self_attn.A_log"
+
+
+def test_non_finite_weights_are_refused_at_load_by_checkpoint_key(tiny, tmp_path):
+    def poison(tensors):
+        tensors[NORM][3] = math.nan
+        tensors[EMBED][7, 1] = math.inf
+        tensors[A_LOG].view(-1)[0] = -math.inf
+
+    model = _with_tensors(tiny, tmp_path / "model", poison)
+    with pytest.raises(CheckpointError) as err:
+        load_model(model)
+    text = str(err.value)
+    assert "non-finite values (NaN or inf) (3)" in text, text
+    for key, count in ((NORM, 1), (EMBED, 1), (A_LOG, 1)):
+        assert f"{key}: {count} of " in text and "(in model.safetensors)" in text, text
+    assert "missing" not in text, text
+
+
+def test_a_weight_that_overflows_the_load_dtype_is_named(tiny, tmp_path):
+    key = "model.layers.0.mlp.gate_proj.weight"
+
+    def enlarge(tensors):
+        tensors[key][0, 0] = 1e5  # finite in float32, beyond float16's 65504
+
+    model = _with_tensors(tiny, tmp_path / "model", enlarge)
+    assert load_model(model, dtype=torch.bfloat16) is not None
+    with pytest.raises(CheckpointError, match=rf"{key}: 1 of \d+ values overflow torch\.float16"):
+        load_model(model, dtype=torch.float16)

@@ -170,8 +170,9 @@ def load_model(
         device: where the parameters live.
 
     Raises:
-        CheckpointError: missing, unexpected or mis-shaped tensors (listed), or an unreadable
-            (e.g. truncated) file.
+        CheckpointError: missing, unexpected or mis-shaped tensors, or tensors holding NaN
+            or inf (or values beyond ``dtype``'s range), each listed by checkpoint key; or an
+            unreadable (e.g. truncated) file.
     """
     if dtype is not None and dtype not in MODEL_DTYPES:
         raise ValueError(f"dtype: expected one of {MODEL_DTYPES} or None, got {dtype!r}")
@@ -197,6 +198,7 @@ def load_model(
     loaded: set[str] = set()
     unexpected: list[str] = []
     misshaped: dict[str, str] = {}  # checkpoint key -> what is wrong with it
+    non_finite: list[str] = []
     for file, keys in files.items():
         with _open(_inside(path, file)) as f:
             for key in keys:
@@ -220,11 +222,14 @@ def load_model(
                     problem = _read_into(f, key, name, params[name], tp_rank, tp_size, dtype, file)
                 if problem:
                     misshaped[key] = f"{key}: {problem} (in {file})"
-                else:
-                    loaded.add(name)
+                    continue
+                loaded.add(name)
+                problem = _non_finite(f, key, params[name])
+                if problem:
+                    non_finite.append(f"{key}: {problem} (in {file})")
     missing = [_ckpt_name(n, config.arch) for n in params if n not in loaded]
     missing = [m for m in missing if m not in misshaped]
-    if missing or unexpected or misshaped:
+    if missing or unexpected or misshaped or non_finite:
         parts = [f"checkpoint {path} does not match the {config.arch} model:"]
         if missing:
             parts.append(_summary("missing tensors", missing))
@@ -232,6 +237,8 @@ def load_model(
             parts.append(_summary("unexpected tensors", unexpected))
         if misshaped:
             parts.append(_summary("wrong shapes or dtypes", list(misshaped.values())))
+        if non_finite:
+            parts.append(_summary("non-finite values (NaN or inf)", non_finite))
         hint = _format_hint(config, unexpected)
         if hint:
             parts.append(hint)
@@ -308,6 +315,22 @@ def _read_vocab_rows(
     with torch.no_grad():
         param.data = full
     return None
+
+
+def _non_finite(f, key: str, param: nn.Parameter) -> str | None:
+    """What is not finite in floating-point ``param``, just read from ``key``; None when all
+    of it is (one ``isfinite`` pass). A NaN or inf weight makes every logit it reaches
+    garbage, with no error anywhere later."""
+    if not param.is_floating_point():
+        return None
+    finite = torch.isfinite(param)
+    if bool(finite.all()):
+        return None
+    count = f"{int(finite.numel() - finite.sum())} of {param.numel()} values"
+    # Told apart only on this failure path: read the stored tensor again.
+    if bool(torch.isfinite(f.get_tensor(key)).all()):
+        return f"{count} overflow {param.dtype} (finite as stored; load it in a wider dtype)"
+    return f"{count} are NaN or inf"
 
 
 def _ckpt_name(name: str, arch: str) -> str:
