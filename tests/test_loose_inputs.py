@@ -329,3 +329,27 @@ def test_a_weight_that_overflows_the_load_dtype_is_named(tiny, tmp_path):
     assert load_model(model, dtype=torch.bfloat16) is not None
     with pytest.raises(CheckpointError, match=rf"{key}: 1 of \d+ values overflow torch\.float16"):
         load_model(model, dtype=torch.float16)
+
+
+# ---- logit_scale -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1.0, 1e308, 9e-7, 1.5e6, math.nan, math.inf, -math.inf])
+def test_logit_scale_outside_its_range_is_refused_with_the_range(value):
+    with pytest.raises(
+        ValueError, match=r"^logit_scale: expected a finite number in \[1e-06, 1e\+06\], got"
+    ):
+        KimiK3Config(logit_scale=value)
+
+
+def test_logit_scale_in_config_json_names_the_file(tmp_path):
+    file = tmp_path / "config.json"
+    file.write_text(_config_text("kimi_k3", ("text_config", "logit_scale"), "1e308"))
+    match = rf"^{re.escape(str(file))}: logit_scale: expected a finite number in"
+    with pytest.raises(ValueError, match=match):
+        KimiK3Config.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("value", [1e-6, 0.0625, 1, 1.0, 16.0, 1e6])
+def test_logit_scales_in_range_pass(value):
+    assert KimiK3Config(logit_scale=value).logit_scale == value

@@ -25,9 +25,14 @@ activation_situ_beta,  refused when ``hidden_act`` is       (SiLU: unused)
 activation_situ_       "situ" (see below)
 linear_beta
 tie_word_embeddings    False (top level for K3)             False
-logit_scale            1.0 (logits unscaled)                1.0
+logit_scale            1.0 (logits unscaled); [1e-6, 1e6]   1.0; [1e-6, 1e6] (see below)
 quantization_config    absent: plain weights                absent: plain weights
 =====================  ===================================  =================================
+
+``logit_scale``, absent or not, must be a finite number in ``[1e-6, 1e6]``; anything else
+is refused with that range. Upstream model configs that scale their logits do so by a small
+factor (Kimi by none); 0 would make every logit equal and 1e308 overflow them, and either
+would only show as garbage tokens.
 
 The MLA latent norms (``q_a_layernorm``, ``kv_a_layernorm``) use ``rms_norm_eps`` for K3 (the
 released reading) and transformers' fixed 1e-6 for Kimi-Linear (``latent_norm_eps`` overrides
@@ -113,7 +118,7 @@ class KimiK3Config:
     activation_situ_linear_beta: float = 25.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    # Multiplies the logits (vLLM's LogitsProcessor scale).
+    # Multiplies the logits (vLLM's LogitsProcessor scale); a finite number in [1e-6, 1e6].
     logit_scale: float = 1.0
     # MLA
     num_attention_heads: int = 4
@@ -532,6 +537,8 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "num_nextn_predict_layers": (0, 2**8),
 }
 _POSITIVE_FLOATS = ("rms_norm_eps", "latent_norm_eps", "rope_theta")
+# Inclusive bounds of float fields (``logit_scale``: see the module docstring).
+_FLOAT_RANGES: dict[str, tuple[float, float]] = {"logit_scale": (1e-6, 1e6)}
 # Field -> its name in config.json, where they differ.
 _JSON_NAMES = {
     "kda_num_heads": "linear_attn_config.num_heads",
@@ -563,6 +570,10 @@ def _check_field_values(values: dict[str, Any]) -> None:
             _check(lo <= value <= hi, key, f"an int in [{lo}, {hi}]", value)
         elif base == "float":
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if name in _FLOAT_RANGES:
+                lo, hi = _FLOAT_RANGES[name]
+                ok = ok and math.isfinite(value) and lo <= value <= hi
+                _check(ok, key, f"a finite number in [{lo:g}, {hi:g}]{null}", value)
             _check(ok and math.isfinite(value), key, f"a finite number{null}", value)
             if name in _POSITIVE_FLOATS:
                 _check(value > 0, key, "a number > 0", value)
