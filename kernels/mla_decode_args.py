@@ -194,6 +194,16 @@ def _partials(
     )
 
 
+def no_op_guard(target: TritonTarget, *, causal: bool, q_len: int) -> str:
+    """How stage 1 skips a program with nothing to do (``_mla_decode_stage1``), in the form
+    that compiles without spills (bench static): ``"branch"`` on NVIDIA and the
+    interpreter, on AMD ``"loop"`` (a loop of at most one trip) at verify windows and
+    ``"mask"`` (the walk with every row masked off) elsewhere."""
+    if target.backend != "hip":
+        return "branch"
+    return "loop" if causal and q_len > 1 else "mask"
+
+
 def _stage1_arguments(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
@@ -310,8 +320,7 @@ def _stage1_arguments(
         NUM_XCDS=config.num_xcds,
         HAS_FAULT_FLAG=fault_flag is not None,
         PREFETCH_IDS=config.prefetch_ids,
-        # The no-op programs' guard as a loop on AMD, a branch elsewhere (_mla_decode_stage1).
-        ONE_TRIP_LOOP=target.backend == "hip",
+        NO_OP_GUARD=no_op_guard(target, causal=bool(causal), q_len=q_len),
         # FP8_MAX is quantize_q's.
         **{k: v for k, v in dot_types.items() if k != "FP8_MAX"},
         **config.launch_options(target),

@@ -362,6 +362,7 @@ def _store_rows(
 @triton.jit
 def _decode_segment(
     segment,  # its row of the schedule's segments table
+    live,  # False (with MASKED): a program with nothing to do, every row masked off
     segments_ptr,  # [*, 4] int32: (unit = b * num_groups + group, first key, end key, partial)
     num_groups,
     q_ptr,
@@ -417,6 +418,7 @@ def _decode_segment(
     NUM_XCDS: tl.constexpr,
     HAS_FAULT_FLAG: tl.constexpr,
     PREFETCH_IDS: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """One segment of the schedule (``_mla_decode_stage1``): walk the request's keys
     ``[seg_start, seg_stop)`` for one row group, write its partial or its final rows."""
@@ -428,7 +430,14 @@ def _decode_segment(
     part = tl.load(segments_ptr + segment * 4 + 3)  # its partial, or -1: the unit's only one
     seqlen = tl.load(seqlens_ptr + b)
     rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_valid = rows < Q_LEN * NUM_HEADS
+    # A masked-off program (``live`` False) has no valid row and a length of 0: it reads
+    # no key, sets no fault and stores nothing.
+    if MASKED:
+        seqlen = tl.where(live, seqlen, 0)
+        row_limit = tl.where(live, Q_LEN * NUM_HEADS, 0)
+    else:
+        row_limit = Q_LEN * NUM_HEADS
+    row_valid = rows < row_limit
     # Index x stride products are int64: a cache view or a batch of q can pass 2^31 elements.
     qpos = (rows // NUM_HEADS).to(tl.int64)
     head = (rows % NUM_HEADS).to(tl.int64)
@@ -676,7 +685,7 @@ def _decode_segment(
             "mov.u32 $0, $1;", "=r,r", [group], dtype=tl.int32, is_pure=False, pack=1
         )
         rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
-        row_valid = rows < Q_LEN * NUM_HEADS
+        row_valid = rows < row_limit
     if KEYS_AS_M:
         acc = tl.trans(acc)
         if DV_CHUNKS == 2:
@@ -684,7 +693,8 @@ def _decode_segment(
     out = tl.where(empty[:, None], 0.0, acc * norm[:, None])
     out_hi = tl.where(empty[:, None], 0.0, acc_hi * norm[:, None]) if DV_CHUNKS == 2 else out
     if part >= 0:
-        # A partial has a slot for every row of the group (padding rows included).
+        # A partial has a slot for every row of the group (padding rows included); a
+        # masked-off program's row 0 may name one: it stores under the row mask.
         in_group = tl.arange(0, BLOCK_H).to(tl.int64)
         _store_rows(
             part_out_ptr + part.to(tl.int64) * stride_part_p + in_group * stride_part_r,
@@ -692,11 +702,11 @@ def _decode_segment(
             out,
             out_hi,
             lse,
-            row_valid,
+            in_group < tl.where(live, BLOCK_H, 0) if MASKED else row_valid,
             HEAD_DIM_V,
             BLOCK_DV,
             DV_CHUNKS,
-            True,
+            not MASKED,
         )
     else:
         _store_rows(
@@ -709,7 +719,7 @@ def _decode_segment(
             HEAD_DIM_V,
             BLOCK_DV,
             DV_CHUNKS,
-            Q_LEN * NUM_HEADS % BLOCK_H == 0,
+            Q_LEN * NUM_HEADS % BLOCK_H == 0 and not MASKED,
         )
 
 
@@ -771,7 +781,7 @@ def _mla_decode_stage1(
     NUM_XCDS: tl.constexpr,
     HAS_FAULT_FLAG: tl.constexpr,
     PREFETCH_IDS: tl.constexpr,
-    ONE_TRIP_LOOP: tl.constexpr,
+    NO_OP_GUARD: tl.constexpr,
 ):
     """Stage 1: one program per segment of the balanced schedule (``schedule.py``), in the
     launch order its planner chose: the hardware hands out programs in id order to whichever
@@ -781,14 +791,19 @@ def _mla_decode_stage1(
     index math out of it, live through the walk (sm90: up to 972 B of spills at 255
     registers; gfx942: 20-46 more VGPRs), which one straight walk never has."""
     segment = tl.load(launch_order_ptr + tl.program_id(0))
-    # -1: a program with nothing to do. The guard is a branch on NVIDIA; on AMD a loop of at
-    # most one trip, which LLVM's AMDGPU allocator fits without the 1-9 VGPR spills the
-    # branch gets at 96-row groups with 64-bit addressing (bench static, 6 cases); on sm90
-    # such a loop lets LICM hoist the index math again (1000 B of spills).
-    if ONE_TRIP_LOOP:
-        for one in range(tl.maximum(segment, 0), tl.maximum(segment + 1, 0)):
+    # -1: a program with nothing to do, skipped in the form that compiles without spills
+    # (bench static; ``mla_decode_args.no_op_guard``): NVIDIA branches past it. On AMD a
+    # branch costs 1-9 VGPR spills (96-row groups with 64-bit addressing): there a verify
+    # window skips it with a loop of at most one trip ("loop"), and every other shape runs
+    # the walk masked off ("mask": no valid row, length 0, so it loads, walks and stores
+    # nothing). The loop spills 4 VGPRs at AMD's 32-row single-query groups and ~1000 B on
+    # sm90 (LICM hoists the index math out of it again); the mask spills at AMD windows
+    # and at sm90's.
+    if NO_OP_GUARD == "branch":
+        if segment >= 0:
             _decode_segment(
-                one,
+                segment,
+                True,
                 segments_ptr,
                 num_groups,
                 q_ptr,
@@ -844,63 +859,70 @@ def _mla_decode_stage1(
                 NUM_XCDS,
                 HAS_FAULT_FLAG,
                 PREFETCH_IDS,
+                False,
             )
-    elif segment >= 0:
-        _decode_segment(
-            segment,
-            segments_ptr,
-            num_groups,
-            q_ptr,
-            q_scale_ptr,
-            kv_ptr,
-            block_table_ptr,
-            seqlens_ptr,
-            out_ptr,
-            lse_ptr,
-            part_out_ptr,
-            part_lse_ptr,
-            fault_ptr,
-            qk_scale,
-            out_scale,
-            num_blocks,
-            max_blocks,
-            stride_q_b,
-            stride_q_i,
-            stride_q_h,
-            stride_kv_block,
-            stride_kv_token,
-            stride_bt_b,
-            stride_out_b,
-            stride_out_h,
-            stride_lse_b,
-            stride_lse_h,
-            stride_part_p,
-            stride_part_r,
-            stride_part_lse_p,
-            Q_LEN,
-            NUM_HEADS,
-            HEAD_DIM_V,
-            ROPE_DIM,
-            PAGE_SIZE,
-            CAUSAL,
-            BLOCK_H,
-            BLOCK_N,
-            BLOCK_W,
-            BLOCK_DV,
-            DV_CHUNKS,
-            BLOCK_DR,
-            K_DTYPE,
-            V_DTYPE,
-            QK_FP8,
-            PV_FP8,
-            V_VIA_REGISTERS,
-            FOLD_IN_BRANCH,
-            KEYS_AS_M,
-            REMAT_ROWS,
-            FP8_DTYPE,
-            FP8_EMULATE_MIN_EXP,
-            P_SCALE,
-            NUM_XCDS,
-            HAS_FAULT_FLAG,
-            PREFETCH_IDS,
-        )
+    else:
+        live = segment >= 0
+        first = tl.maximum(segment, 0)
+        last = tl.maximum(segment + 1, 0) if NO_OP_GUARD == "loop" else first + 1
+        for one in range(first, last):
+            _decode_segment(
+                one,
+                live,
+                segments_ptr,
+                num_groups,
+                q_ptr,
+                q_scale_ptr,
+                kv_ptr,
+                block_table_ptr,
+                seqlens_ptr,
+                out_ptr,
+                lse_ptr,
+                part_out_ptr,
+                part_lse_ptr,
+                fault_ptr,
+                qk_scale,
+                out_scale,
+                num_blocks,
+                max_blocks,
+                stride_q_b,
+                stride_q_i,
+                stride_q_h,
+                stride_kv_block,
+                stride_kv_token,
+                stride_bt_b,
+                stride_out_b,
+                stride_out_h,
+                stride_lse_b,
+                stride_lse_h,
+                stride_part_p,
+                stride_part_r,
+                stride_part_lse_p,
+                Q_LEN,
+                NUM_HEADS,
+                HEAD_DIM_V,
+                ROPE_DIM,
+                PAGE_SIZE,
+                CAUSAL,
+                BLOCK_H,
+                BLOCK_N,
+                BLOCK_W,
+                BLOCK_DV,
+                DV_CHUNKS,
+                BLOCK_DR,
+                K_DTYPE,
+                V_DTYPE,
+                QK_FP8,
+                PV_FP8,
+                V_VIA_REGISTERS,
+                FOLD_IN_BRANCH,
+                KEYS_AS_M,
+                REMAT_ROWS,
+                FP8_DTYPE,
+                FP8_EMULATE_MIN_EXP,
+                P_SCALE,
+                NUM_XCDS,
+                HAS_FAULT_FLAG,
+                PREFETCH_IDS,
+                NO_OP_GUARD == "mask",
+            )

@@ -289,11 +289,10 @@ def test_num_slots_is_validated_and_cp_is_normalized():
 # plan_launch shrinks it), with the constexprs mla_decode would pass, and for the merges and
 # the schedule's planner, prints one JSON line per kernel.
 
-#: Builds that spill with stage 1's no-op guard as a one-trip loop on AMD (ONE_TRIP_LOOP):
-#: the fp32-cache entries (a reference dtype, not a serving one; bench static has no fp32
-#: case). The branch form spills none of them but other bf16/fp8 builds (issue 29's note).
-#: The test fails when one stops spilling, so the list only shrinks.
-KNOWN_SPILLS = {("gfx942", "stage1", "torch.float32"), ("gfx950", "stage1", "torch.float32")}
+#: Builds allowed to spill (none: the fp32-cache entries spilled under the one-trip-loop
+#: guard, which stage 1 now uses at AMD verify windows only: ``no_op_guard``). The test
+#: fails when a listed one stops spilling, so the list only shrinks.
+KNOWN_SPILLS: set[tuple[str, str, str]] = set()
 
 _AOT_SCRIPT = r"""
 import json, re, sys
@@ -352,7 +351,7 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
                   BLOCK_W=min(config.block_n, 32 if kv_dtype == fp8 else 16),
                   BLOCK_DV=512 // config.dv_chunks, DV_CHUNKS=config.dv_chunks, BLOCK_DR=64,
                   NUM_XCDS=config.num_xcds, HAS_FAULT_FLAG=True, PREFETCH_IDS=config.prefetch_ids,
-                  ONE_TRIP_LOOP=here.backend == "hip",
+                  NO_OP_GUARD=mda.no_op_guard(here, causal=True, q_len=1),
                   **{k: v for k, v in dot_types.items() if k != "FP8_MAX"})
     # With fp8 Q K^T stage 1 reads q quantized per row (quantize_q).
     q_type = kv_dtype if dot_types["QK_FP8"] else q_dtype

@@ -23,6 +23,7 @@ import rocm_mla
 from rocm_mla.backends.triton import SLOTS_ENV, TritonMLAImpl
 from rocm_mla.inputs import prepare_decode
 from rocm_mla.kernels import mla_decode as kernel
+from rocm_mla.kernels import mla_decode_args as mda
 from rocm_mla.kernels import schedule as sch
 from rocm_mla.kernels.tuned_configs import LaunchConfig
 from tests.reference import assert_same_attention, make_paged_problem
@@ -72,12 +73,16 @@ def assert_same_tables(host: sch.ScheduleTables, device: sch.ScheduleTables) -> 
         assert torch.equal(getattr(host, name).cpu(), getattr(device, name).cpu()), name
 
 
+@pytest.mark.parametrize("guard", ["branch", "loop", "mask"])
+@pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("mix", ["one long, several short", "zero-length requests"])
-def test_pooled_launch_order_with_empty_programs_matches_torch(mix):
+def test_pooled_launch_order_with_empty_programs_matches_torch(mix, q_len, guard, monkeypatch):
     """AMD's order (4 pools, as XCDs): programs with nothing to do sit between real ones,
-    on host and device tables alike, and every row still comes out right."""
+    on host and device tables alike, and every row still comes out right, with either form
+    form of stage 1's guard for them (``mla_decode_args.no_op_guard``)."""
+    monkeypatch.setattr(mda, "no_op_guard", lambda target, *, causal, q_len: guard)
     lengths = MIXES[mix]
-    q, kv, bt, lens = problem(lengths, heads=4, q_len=1, dtype=torch.float32, seed=3)
+    q, kv, bt, lens = problem(lengths, heads=4, q_len=q_len, dtype=torch.float32, seed=3)
     ref_out, ref_lse = reference(q, kv, bt, lens)
     p = prepare_decode(
         q, kv, bt, lens, head_dim_v=HEAD_DIM_V, softmax_scale=None, causal=True, kv_scale=None
