@@ -51,9 +51,14 @@ def test_rows_have_the_fields(payload: dict) -> None:
         assert set(row["makespan"]) == {"old", "balanced", "flashmla"}
         for name in row["makespan"]:
             assert set(row["ratio"][name]) == {"lb_a", "lb_b", "lb_c"}
-        assert {"lb_b", "lb_a", "uniform_lb_b", "uniform_not_worse_than_old", "pass"} <= set(
-            row["gates"]
-        )
+        assert {
+            "lb_c",
+            "lb_b",
+            "lb_a",
+            "uniform_lb_b",
+            "uniform_not_worse_than_old",
+            "pass",
+        } <= set(row["gates"])
     assert payload["mixes"][LONG_SHORT] == [131072] + [2048] * 31
     summary = payload["summary"]
     assert summary["rows"] == 2 and summary["pass"] + summary["fail"] == 2
@@ -102,7 +107,7 @@ def test_old_planner_is_far_behind_on_one_long_request(payload: dict) -> None:
     # The old split cuts every request alike, so the 128K request's splits dominate.
     assert row["makespan"]["old"] >= 2.5 * row["makespan"]["balanced"]
     assert row["ratio"]["balanced"]["lb_b"] <= bench.MAX_RATIO
-    assert row["gates"]["pass"]
+    assert row["gates"]["lb_c"] and row["gates"]["pass"]
     uniform = _row(payload, bench.UNIFORM_MIX)
     assert uniform["gates"]["uniform_not_worse_than_old"] is True
     assert uniform["makespan"]["balanced"] <= uniform["makespan"]["old"]
@@ -145,3 +150,16 @@ def test_cli_knows_the_benchmark() -> None:
     from rocm_mla import cli
 
     assert cli.BENCHMARKS["schedule"] == "benchmarks.schedule"
+
+
+def test_the_gate_is_lb_c_up_to_one_piece() -> None:
+    """Gated on (c): 1.15 x (c), or one piece over it where slots hold few pieces (a DCP-8
+    share of short requests: (b) cannot be met there, one piece more is already 1.19 x)."""
+    mix = bench.dcp_name("lognormal B32 median 2K")
+    target = bench.TARGETS["sm90"]
+    row = bench.measure(target, 12, 8, "bf16", mix, bench.mixes()[mix], ppc=1)
+    assert row["G"] == 3 and row["S"] == 132
+    assert row["lb_b"] == row["lb_c"] == 4 * 64 + 84
+    assert row["makespan"]["balanced"] == row["lb_c"] + 64  # 1.19 x: over 1.15 x (b) ...
+    assert not row["gates"]["lb_b"]
+    assert row["gates"]["lb_c"] and row["gates"]["pass"]  # ... within one piece of (c)
