@@ -49,7 +49,7 @@ best possible one. Every schedule's makespan is checked against all three (``bou
 
 Gates per row (recorded, never fatal: the command prints a summary line and exits 0):
 balanced <= 1.15 x (c), or within one piece (64 keys) of (c); for the uniform batch (8 x 32K
-and its DCP share) also balanced / (b) <= 1.05 and balanced <= old. The bound gated is (c),
+and its DCP share) also balanced / (c) <= 1.05 and balanced <= old. The bound gated is (c),
 the tightest of the three, because (a) and (b) cannot be met where slots hold few pieces: a
 DCP-8 share of 32 short requests leaves 4-5 pieces a slot, every cut adds an overhead (84
 keys, 1.3 pieces) that (b) does not charge, and one piece more on the busiest slot is
@@ -410,12 +410,12 @@ def measure(target: Target, heads: int, q_len: int, kind: str, mix: str, lengths
         "lb_c": makespans["balanced"] <= max(MAX_RATIO * lb_c, lb_c + _piece()),
         "lb_b": ratios["balanced"]["lb_b"] <= MAX_RATIO,
         "lb_a": ratios["balanced"]["lb_a"] <= MAX_RATIO,
-        "uniform_lb_b": ratios["balanced"]["lb_b"] <= MAX_RATIO_UNIFORM if uniform else None,
+        "uniform_lb_c": ratios["balanced"]["lb_c"] <= MAX_RATIO_UNIFORM if uniform else None,
         "uniform_not_worse_than_old": makespans["balanced"] <= makespans["old"]
         if uniform
         else None,
     }
-    gates["pass"] = gates["lb_c"] and gates["uniform_lb_b"] is not False
+    gates["pass"] = gates["lb_c"] and gates["uniform_lb_c"] is not False
     gates["pass"] = gates["pass"] and gates["uniform_not_worse_than_old"] is not False
     return {
         "target": target.key,
@@ -596,7 +596,7 @@ def summarize(payload: dict) -> dict:
             "over_lb_c": sum(r["ratio"]["balanced"]["lb_c"] > MAX_RATIO for r in mine),
             "balanced_at_lb_c": sum(r["makespan"]["balanced"] == r["lb_c"] for r in mine),
             "fail_uniform": sum(
-                r["gates"]["uniform_lb_b"] is False
+                r["gates"]["uniform_lb_c"] is False
                 or r["gates"]["uniform_not_worse_than_old"] is False
                 for r in mine
             ),
@@ -634,7 +634,7 @@ def markdown(payload: dict) -> str:
         "in launch order). LB(b) = ceil(64-key pieces / S) * 64 + 84, LB(a) = "
         "max(G * keys / S, 64) + 84, LB(c) = the least makespan segment counting allows "
         "(every segment pays 84). Gate: balanced <= max("
-        f"{MAX_RATIO} x LB(c), LB(c) + {_piece()} keys); the uniform batch also balanced/LB(b) "
+        f"{MAX_RATIO} x LB(c), LB(c) + {_piece()} keys); the uniform batch also balanced/LB(c) "
         f"<= {MAX_RATIO_UNIFORM} and balanced <= old. "
         f"Wall time {payload['wall_s']} s"
         + (f"; programs_per_cu forced to {ppc}" if ppc else "")

@@ -55,7 +55,7 @@ def test_rows_have_the_fields(payload: dict) -> None:
             "lb_c",
             "lb_b",
             "lb_a",
-            "uniform_lb_b",
+            "uniform_lb_c",
             "uniform_not_worse_than_old",
             "pass",
         } <= set(row["gates"])
