@@ -184,7 +184,9 @@ def _load() -> tuple[object | None, str | None]:
         key = build_key()
         build_dir = _build_dir(key)
         name = f"rocm_mla_cpu_decode_{key}"
-        flags = ["-O3", "-march=native", "-std=c++17"]
+        # No -std: torch's own flags name the standard its headers need (C++17 up to torch
+        # 2.13, C++20 from 2.14, whose headers fail to compile under an explicit c++17).
+        flags = ["-O3", "-march=native"]
         openmp = torch.backends.openmp.is_available()
         if openmp:
             flags.append("-fopenmp")
@@ -214,7 +216,10 @@ def _load() -> tuple[object | None, str | None]:
 
         module = _locked(build_dir, build)
     except Exception as error:  # a missing compiler or ninja, a build error, the wait bound
-        text = " ".join(str(error).split())
+        lines = str(error).splitlines() or [""]
+        # A build error's text starts with the compile command: its first error says why.
+        detail = next((line for line in lines if "error:" in line), lines[0])
+        text = " ".join(detail.split())
         reason = f"the CPU decode kernel did not build: {type(error).__name__}: {text[:300]}"
         warnings.warn(f"{reason}; CPU decodes run the torch path", RuntimeWarning, stacklevel=2)
         return None, reason

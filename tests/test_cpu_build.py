@@ -166,3 +166,34 @@ def test_a_build_killed_mid_compile_does_not_block_the_next(tmp_path):
     )
     assert again.returncode == 0 and again.stdout.split() == ["kernel", "True"], again.stderr
     assert "rocm-mla:" not in again.stderr
+
+
+def test_a_failed_build_names_the_compilers_first_error(tmp_path, monkeypatch):
+    """A build error's text opens with the compile command (hundreds of characters of
+    include paths): the reason and the warning carry the compiler's first ``error:`` line,
+    and the build leaves the C++ standard to torch (torch 2.14's headers need C++20 and
+    failed under an explicit ``-std=c++17``)."""
+    from torch.utils import cpp_extension
+
+    seen = {}
+
+    def failing_load(**kwargs):
+        seen.update(kwargs)
+        raise RuntimeError(
+            "Error building extension 'x': [1/2] c++ -MMD "
+            + "-isystem /very/long/path " * 40
+            + "\nExpandUtils.h:470:28: error: 'sizes' is not a member of 'at::symint'\n"
+            + "ninja: build stopped: subcommand failed."
+        )
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    cpu_decode._load.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="is not a member of 'at::symint'"):
+            module, reason = cpu_decode._load()
+    finally:
+        cpu_decode._load.cache_clear()
+    assert module is None
+    assert "error: 'sizes' is not a member of 'at::symint'" in reason
+    assert not any(flag.startswith("-std") for flag in seen["extra_cflags"]), seen
