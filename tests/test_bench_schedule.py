@@ -10,7 +10,7 @@ import random
 import pytest
 
 pytest.importorskip("triton")
-# The schedule under measure (kernels/schedule.py), landed separately from this benchmark.
+# The schedule under measure (rocm_mla/kernels/schedule.py), landed separately from this benchmark.
 pytest.importorskip("rocm_mla.kernels.schedule")
 
 from benchmarks import schedule as bench

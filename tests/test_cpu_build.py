@@ -1,4 +1,4 @@
-"""The fused CPU kernel's first-use build (kernels/cpu_decode.py): keyed by everything that
+"""The fused CPU kernel's first-use build (rocm_mla/kernels/cpu_decode.py): keyed by everything that
 makes two builds incompatible, visible on stderr, safe to kill, and bounded for a waiter."""
 
 from __future__ import annotations

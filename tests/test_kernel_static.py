@@ -342,7 +342,7 @@ def _compiler_env() -> dict:
 @triton.jit
 def _probe_mla_loop(q_ptr, kv_ptr, out_ptr, num_keys, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
     """A bare MLA loop (QK over 512 + 64 columns, PV over 512) whose waste is Triton's layout
-    choice for the block shape, not anything in kernels/: a [128, 512] fp32 accumulator in
+    choice for the block shape, not anything in rocm_mla/kernels/: a [128, 512] fp32 accumulator in
     4 warps must spill on sm90, and 16 rows over 4 waves replicate QK on gfx942."""
     rows = tl.arange(0, BLOCK_H)
     dv = tl.arange(0, 512)

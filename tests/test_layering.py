@@ -1,6 +1,6 @@
 """No module imports from a floor above its own (the floors: docs/architecture.md, "Layers").
 
-Every ``import`` in rocm_mla/ and kernels/ (installed as ``rocm_mla.kernels``) is read with
+Every ``import`` in rocm_mla/ is read with
 ``ast``, at module level and inside functions alike (a lazy import is still a dependency), and
 resolved to the package module it names. A module may import from its own floor or any floor
 below. A module that sits on no floor fails too, so a new module gets placed on purpose.
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Source folder -> the package name it is installed under (pyproject's package-dir).
-SOURCES = {ROOT / "rocm_mla": "rocm_mla", ROOT / "kernels": "rocm_mla.kernels"}
+# Source folder -> the package name it is installed under.
+SOURCES = {ROOT / "rocm_mla": "rocm_mla"}
 
 # Lowest floor first. A module belongs to the floor of its longest matching prefix, except
 # the package root: a facade that re-exports the api and (lazily) the engine, it is the top

@@ -1,4 +1,4 @@
-"""The balanced schedule (kernels/schedule.py): its invariants, the launch order that makes
+"""The balanced schedule (rocm_mla/kernels/schedule.py): its invariants, the launch order that makes
 list scheduling run the packing, and the device planner (run under the Triton interpreter)
 writing exactly the host planner's tables."""
 

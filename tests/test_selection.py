@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -119,13 +121,39 @@ def test_package_import_is_light():
     assert proc.stdout.strip() == "[]"
 
 
-def test_kernels_are_installed_under_the_package_only():
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("cwd", ["/", str(REPO_ROOT)], ids=["elsewhere", "repository-root"])
+def test_kernels_are_installed_under_the_package_only(cwd):
+    """Our kernels import only as ``rocm_mla.kernels``: a top-level ``kernels``, if any, is
+    another distribution's (Hugging Face's, which transformers imports), even from the
+    repository root, where ``sys.path`` starts with the checkout."""
     code = (
-        "import importlib.util, rocm_mla.kernels, os; "
-        "print(importlib.util.find_spec('kernels') is None, "
-        "os.path.basename(os.path.dirname(rocm_mla.kernels.__file__)))"
+        "import importlib.util, os, rocm_mla.kernels; "
+        "spec = importlib.util.find_spec('kernels'); "
+        "ours = os.path.dirname(os.path.dirname(rocm_mla.kernels.__file__)); "
+        "print(spec is None or not spec.origin.startswith(ours + os.sep), "
+        "os.path.relpath(rocm_mla.kernels.__file__, os.path.dirname(ours)))"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=cwd
     )
-    assert proc.stdout.split() == ["True", "kernels"]
+    assert proc.stdout.split() == ["True", os.path.join("rocm_mla", "kernels", "__init__.py")]
+
+
+def test_transformers_hub_kernels_import_from_the_repository_root():
+    """transformers >= 5.25 imports Hugging Face's ``kernels`` package; a checkout whose root
+    is on ``sys.path`` (pytest, ``python -c`` there) must not shadow it."""
+    pytest.importorskip("transformers")
+    code = (
+        "import sys; sys.path.insert(0, '.'); "
+        "import importlib.util, transformers.integrations.hub_kernels; "
+        "spec = importlib.util.find_spec('kernels'); "
+        "print('ok', spec is None or 'site-packages' in spec.origin)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["ok", "True"]

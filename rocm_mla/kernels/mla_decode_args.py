@@ -53,7 +53,7 @@ def default_config(
     q_len: int = 1,
     kv_dtype: torch.dtype = torch.bfloat16,
 ) -> LaunchConfig:
-    """The tuned stage-1 config for a shape on ``target`` (``kernels/tuned_configs.py``)."""
+    """The tuned stage-1 config for a shape on ``target`` (``tuned_configs.py``)."""
     return table_entry(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype).config
 
 
