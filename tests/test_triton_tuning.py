@@ -99,11 +99,12 @@ def test_lookup_prefers_the_most_specific_entry():
     # fp8 on gfx942 and gfx950 has row-owned rows too (32 keys: the fp8 MFMA's K); H16 S_q 1
     # keeps the general (replicated) entry.
     fp8_h16 = kernel.default_config(GFX942, num_heads=16, kv_dtype=torch.float8_e4m3fnuz)
-    assert fp8.fp8_qk and fp8.fp8_pv and (fp8.rows_per_warp, fp8.block_n) == (16, 32)
+    # P.V in fp16 (issue 37): an fp8 V operand is read byte by byte, transposed.
+    assert fp8.fp8_qk and not fp8.fp8_pv and (fp8.rows_per_warp, fp8.block_n) == (16, 32)
     assert fp8_h16.fp8_qk and fp8_h16.rows_per_warp is None
     gfx950 = TritonTarget("hip", "gfx950", 256)
     fp8_950 = kernel.default_config(gfx950, num_heads=128, kv_dtype=torch.float8_e4m3fn)
-    assert fp8_950.fp8_qk and fp8_950.fp8_pv
+    assert fp8_950.fp8_qk and not fp8_950.fp8_pv
     assert (fp8_950.rows_per_warp, fp8_950.block_n) == (16, 32)
     fp8_950_h16 = kernel.default_config(gfx950, num_heads=16, kv_dtype=torch.float8_e4m3fn)
     assert fp8_950_h16.fp8_qk and fp8_950_h16.rows_per_warp is None
@@ -561,6 +562,20 @@ def test_dot_types_per_target():
         torch.bfloat16, torch.float8_e4m3fn, TritonTarget("cuda", "sm80", 1), cfg
     )
     assert sm80["K_DTYPE"] == tl.bfloat16 and not sm80["QK_FP8"] and sm80["P_SCALE"] == 1.0
+    # fp8 P.V on sm90 takes V through registers; without it V is upcast to fp16 as loaded,
+    # behind an opaque move (PTX on NVIDIA, amdgcn on AMD), and P is not lifted.
+    assert sm90["V_MODE"] == "fp8_registers" and gfx942["V_MODE"] == "direct"
+    assert sm80["V_MODE"] == "upcast_ptx" and sm80["V_DTYPE"] == tl.float16
+    fp16_pv = replace(cfg, fp8_pv=False)
+    for target, mode in ((SM90, "upcast_ptx"), (GFX942, "upcast_amdgcn")):
+        types = mla_decode_args._dot_types(torch.bfloat16, torch.float8_e4m3fn, target, fp16_pv)
+        assert (types["V_MODE"], types["V_DTYPE"], types["P_SCALE"]) == (mode, tl.float16, 1.0)
+        assert types["QK_FP8"] and not types["PV_FP8"]
+    fp32_q = mla_decode_args._dot_types(torch.float32, torch.float8_e4m3fn, SM90, fp16_pv)
+    assert fp32_q["V_DTYPE"] == tl.float32
+    assert mla_decode_args._dot_types(torch.bfloat16, torch.bfloat16, SM90, fp16_pv)["V_MODE"] == (
+        "direct"
+    )
     here = triton_target()
     if here.backend == "interpreter":
         emu = mla_decode_args._dot_types(torch.float32, torch.float8_e4m3fn, here, cfg)

@@ -79,6 +79,7 @@ def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
         "keys_as_m": config.keys_as_m
         if config.shrunk_keys_as_m is None
         else config.shrunk_keys_as_m,
+        "block_n": config.block_n if config.shrunk_block_n is None else config.shrunk_block_n,
     }
     if config.rows_per_warp is None:
         block_h = max(config.min_block_h, min(config.block_h, triton.next_power_of_2(rows)))
@@ -142,14 +143,24 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
     pv_fp8 = fp8 and config.fp8_pv and (interpreting or _has_fp8_dot(target))
     upcast = torch.float32 if interpreting or q_dtype == torch.float32 else q_dtype
     fp8_dtype = kv_dtype if fp8 else torch.float8_e4m3fn
+    if interpreting or not fp8:
+        v_mode, v_dtype = "direct", kv_dtype if pv_fp8 and not interpreting else upcast
+    elif pv_fp8:
+        # NVIDIA's fp8 P.V takes V transposed (K-major), through registers.
+        v_mode = "fp8_registers" if target.backend == "cuda" else "direct"
+        v_dtype = kv_dtype
+    else:
+        # fp16, not q's bf16: fp8 values convert to it exactly in one step, and P (<= 1)
+        # keeps 3 more mantissa bits.
+        v_mode = "upcast_ptx" if target.backend == "cuda" else "upcast_amdgcn"
+        v_dtype = torch.float32 if upcast == torch.float32 else torch.float16
     return {
         "K_DTYPE": _TL_DTYPES[kv_dtype if qk_fp8 and not interpreting else upcast],
-        "V_DTYPE": _TL_DTYPES[kv_dtype if pv_fp8 and not interpreting else upcast],
+        "V_DTYPE": _TL_DTYPES[v_dtype],
         "QK_FP8": qk_fp8,
         "PV_FP8": pv_fp8,
-        # NVIDIA: fp8 P.V takes V transposed (K-major), through registers.
-        "V_VIA_REGISTERS": pv_fp8 and target.backend == "cuda",
-        # See _attend_tile: the softmax step apart from the dots (CUDA) or with them (AMD).
+        # How V reaches P.V (mla_decode_kernel._attend_tile).
+        "V_MODE": v_mode,
         "FOLD_IN_BRANCH": target.backend != "hip",
         "KEYS_AS_M": config.keys_as_m,
         # NVIDIA: stage 1 recomputes its output rows after the walk (an opaque mov).

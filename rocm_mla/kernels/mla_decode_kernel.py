@@ -111,6 +111,22 @@ def _fold_scores(
 
 
 @triton.jit
+def _opaque_upcast(x, V_DTYPE: tl.constexpr, PTX: tl.constexpr):
+    """``x`` converted to ``V_DTYPE`` in its own layout, behind a move the compiler cannot
+    see through (``_attend_tile``: why)."""
+    x = x.to(V_DTYPE)
+    PACK: tl.constexpr = 2 if V_DTYPE.primitive_bitwidth == 16 else 1
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=PACK
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            "v_mov_b32 $0, $1", "=v,v", [x], dtype=x.dtype, is_pure=False, pack=PACK
+        )
+
+
+@triton.jit
 def _attend_tile(
     first,  # the tile's first key position
     lo,  # with ROWS_DIFFER: keys below it are not seen
@@ -140,7 +156,7 @@ def _attend_tile(
     K_DTYPE: tl.constexpr,
     V_DTYPE: tl.constexpr,
     PV_FP8: tl.constexpr,
-    V_VIA_REGISTERS: tl.constexpr,
+    V_MODE: tl.constexpr,
     FOLD_IN_BRANCH: tl.constexpr,
     KEYS_AS_M: tl.constexpr,
     FP8_DTYPE: tl.constexpr,
@@ -286,13 +302,24 @@ def _attend_tile(
                 mask=v_mask & dv_mask_hi[None, :],
                 other=0.0,
             )
-    if V_VIA_REGISTERS:
-        # fp8 wgmma reads K-major operands only: V (keys x Dv, Dv contiguous) is transposed
-        # through registers (with KEYS_AS_M it stays there, P.V's register A operand). A
-        # no-op register op on the loaded tile (a bitcast) leaves its load a plain dot
-        # operand, which Triton copies asynchronously into the pipelined shared buffers,
-        # and the transpose reads it from there; with V's dot as its only other use, the
-        # load itself would go to registers, synchronously.
+    # How V reaches P.V (``mla_decode_args._dot_types``). An fp8 cache: P.V runs in 16 bits
+    # ("upcast_ptx" / "upcast_amdgcn"), because a K-major fp8 operand would need V (keys x
+    # Dv, Dv contiguous) transposed byte by byte through shared memory (sm90: 128 STS.U8 or
+    # LDS.U8 a tile, a 29-way bank conflict; gfx942: 256 ds_read_u8), while a 16-bit one is
+    # read transposed by the hardware (ldmatrix.trans, wgmma's MN-major operand, gfx950's
+    # transposing LDS reads). The tile is converted in registers as it was read (wide); an
+    # opaque move then keeps Triton from sinking the conversion past the operand's layout
+    # change, which would read the fp8 tile in the operand's transposed layout again.
+    # Q.K^T keeps fp8 (K is K-major as stored). "fp8_registers": fp8 P.V on NVIDIA
+    # (fp8 wgmma reads K-major operands only): a no-op bitcast on the loaded tile leaves its
+    # load a plain dot operand, which Triton copies asynchronously into the pipelined shared
+    # buffers, and the transpose reads it from there; with V's dot as its only other use,
+    # the load itself would go to registers, synchronously.
+    if V_MODE == "upcast_ptx" or V_MODE == "upcast_amdgcn":
+        kv_nope = _opaque_upcast(kv_nope, V_DTYPE, V_MODE == "upcast_ptx")
+        if DV_CHUNKS == 2:
+            kv_nope_hi = _opaque_upcast(kv_nope_hi, V_DTYPE, V_MODE == "upcast_ptx")
+    elif V_MODE == "fp8_registers":
         kv_nope = kv_nope.to(tl.int8, bitcast=True).to(V_DTYPE, bitcast=True)
         if DV_CHUNKS == 2:
             kv_nope_hi = kv_nope_hi.to(tl.int8, bitcast=True).to(V_DTYPE, bitcast=True)
@@ -408,7 +435,7 @@ def _decode_segment(
     V_DTYPE: tl.constexpr,
     QK_FP8: tl.constexpr,
     PV_FP8: tl.constexpr,
-    V_VIA_REGISTERS: tl.constexpr,
+    V_MODE: tl.constexpr,
     FOLD_IN_BRANCH: tl.constexpr,
     KEYS_AS_M: tl.constexpr,
     REMAT_ROWS: tl.constexpr,
@@ -605,7 +632,7 @@ def _decode_segment(
             K_DTYPE,
             V_DTYPE,
             PV_FP8,
-            V_VIA_REGISTERS,
+            V_MODE,
             FOLD_IN_BRANCH,
             KEYS_AS_M,
             FP8_DTYPE,
@@ -657,7 +684,7 @@ def _decode_segment(
                 K_DTYPE,
                 V_DTYPE,
                 PV_FP8,
-                V_VIA_REGISTERS,
+                V_MODE,
                 FOLD_IN_BRANCH,
                 KEYS_AS_M,
                 FP8_DTYPE,
@@ -771,7 +798,7 @@ def _mla_decode_stage1(
     V_DTYPE: tl.constexpr,
     QK_FP8: tl.constexpr,
     PV_FP8: tl.constexpr,
-    V_VIA_REGISTERS: tl.constexpr,
+    V_MODE: tl.constexpr,
     FOLD_IN_BRANCH: tl.constexpr,
     KEYS_AS_M: tl.constexpr,
     REMAT_ROWS: tl.constexpr,
@@ -849,7 +876,7 @@ def _mla_decode_stage1(
                 V_DTYPE,
                 QK_FP8,
                 PV_FP8,
-                V_VIA_REGISTERS,
+                V_MODE,
                 FOLD_IN_BRANCH,
                 KEYS_AS_M,
                 REMAT_ROWS,
@@ -914,7 +941,7 @@ def _mla_decode_stage1(
                 V_DTYPE,
                 QK_FP8,
                 PV_FP8,
-                V_VIA_REGISTERS,
+                V_MODE,
                 FOLD_IN_BRANCH,
                 KEYS_AS_M,
                 REMAT_ROWS,
