@@ -64,6 +64,8 @@ class LaunchConfig:
     #: wgmma's, and only with the ids a trip ahead.
     shrunk_num_stages: int | None = None
     shrunk_prefetch_ids: bool | None = None
+    #: BLOCK_N of a shrunk group, where it differs (None: the same).
+    shrunk_block_n: int | None = None
     #: Keys as the dots' M and query rows as N (S^T = K Q^T, O^T = V^T P^T), for a row
     #: group smaller than the target's smallest matrix M (sm90's fp8 wgmma: 64 per
     #: warpgroup), so that no padded row is issued. ``shrunk_keys_as_m``: for a shrunk group.
@@ -73,8 +75,10 @@ class LaunchConfig:
     min_block_h: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("block_h", "block_n"):
+        for name in ("block_h", "block_n", "shrunk_block_n"):
             value = getattr(self, name)
+            if value is None and name == "shrunk_block_n":
+                continue
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LaunchConfig: {name} must be a power of two >= 16, got {value}")
         if self.dv_chunks not in (1, 2):
@@ -148,7 +152,6 @@ _AMD_FP8_ROW_OWNED = LaunchConfig(
     dv_chunks=2,
     num_xcds=8,
     fp8_qk=True,
-    fp8_pv=True,
     rows_per_warp=16,
     prefetch_ids=True,
     **_AMD_KNOBS,
@@ -205,7 +208,6 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
                 num_warps=8,
                 num_stages=3,
                 fp8_qk=True,
-                fp8_pv=True,
                 shrunk_prefetch_ids=True,
                 shrunk_keys_as_m=True,
             ),
@@ -246,7 +248,6 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
                 num_stages=2,
                 num_xcds=8,
                 fp8_qk=True,
-                fp8_pv=True,
                 kpack=2,
                 prefetch_ids=True,
                 **_AMD_KNOBS,
@@ -305,7 +306,6 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
                 num_stages=2,
                 num_xcds=8,
                 fp8_qk=True,
-                fp8_pv=True,
                 prefetch_ids=True,
                 **_AMD_KNOBS,
             ),
@@ -352,6 +352,52 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
 }
 
 
+#: Entries for Triton releases before a given one, that replace the target's own entry of the
+#: same key there (``lookup``): ``{target: ((first release that no longer needs them,
+#: {key: entry}), ...)}``, the oldest bound first. Each source names the release it was
+#: compiled with (``rocm-mla bench static --triton``).
+RELEASE_TABLES: dict[str, tuple[tuple[tuple[int, int], dict[Key, TableEntry]], ...]] = {
+    "sm90": (
+        (
+            (3, 9),
+            {
+                # Triton 3.8 (torch 2.14, vLLM 0.33) keeps more of a 64-row group live through
+                # the walk than 3.9: at 64 x 64 tiles its builds spill 16-80 B at 255
+                # registers (H128, K3 DCP-4, H96 and H24 windows; 3.9 none). 32-key tiles
+                # fit; 16- and 32-row groups keep 64 keys, spill-free on 3.8.
+                ("*", "*", "16bit"): TableEntry(
+                    replace(
+                        TABLES["sm90"][("*", "*", "16bit")].config,
+                        block_n=32,
+                        num_stages=3,
+                        shrunk_block_n=64,
+                    ),
+                    "unmeasured: compiled with Triton 3.8.0 for sm90: 64-row groups in 32-key "
+                    "tiles (254 registers, no spills; 64 keys spill 36-80 B), smaller groups "
+                    "as on 3.9",
+                ),
+                ("*", "*", "fp8"): TableEntry(
+                    replace(
+                        TABLES["sm90"][("*", "*", "fp8")].config, block_n=32, shrunk_block_n=64
+                    ),
+                    "unmeasured: compiled with Triton 3.8.0 for sm90: 64-row groups in 32-key "
+                    "tiles (255 registers, no spills; 64 keys spill 16-56 B), smaller groups "
+                    "as on 3.9",
+                ),
+            },
+        ),
+    ),
+}
+
+
+def triton_release() -> tuple[int, int]:
+    """(major, minor) of the Triton this process imports."""
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
 def head_bucket(num_heads: int) -> str:
     for bucket in HEAD_BUCKETS:
         if num_heads <= bucket:
@@ -372,9 +418,20 @@ def kv_kind(kv_dtype: torch.dtype) -> str:
     return "fp32" if kv_dtype.itemsize == 4 else "16bit"
 
 
-def lookup(target_key: str, num_heads: int, q_len: int, kv_dtype: torch.dtype) -> TableEntry:
-    """The most specific entry of ``TABLES[target_key]`` for this shape and KV dtype."""
+def lookup(
+    target_key: str,
+    num_heads: int,
+    q_len: int,
+    kv_dtype: torch.dtype,
+    release: tuple[int, int] | None = None,
+) -> TableEntry:
+    """The most specific entry of ``TABLES[target_key]`` for this shape and KV dtype, with the
+    ``RELEASE_TABLES`` entries of Triton ``release`` (None: the one imported) over it."""
     table = TABLES[target_key]
+    release = triton_release() if release is None else release
+    for before, entries in reversed(RELEASE_TABLES.get(target_key, ())):
+        if release < before:
+            table = {**table, **entries}
     h, s, kv = head_bucket(num_heads), q_len_bucket(q_len), kv_kind(kv_dtype)
     for key in ((h, s, kv), (h, s, "*"), (h, "*", kv), (h, "*", "*"), ("*", "*", kv)):
         if key in table:
