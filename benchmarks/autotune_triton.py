@@ -85,6 +85,47 @@ def sweep(target, kv_kind: str, quick: bool) -> list:
     return configs
 
 
+def focused(target, heads: int, q_len: int, kv_kind: str) -> list:
+    """The few candidates worth timing for one of issue 37's weak sm90 shapes (the 64-row
+    groups of H128 and of verify windows, fp8 caches, H16): the 64-row group at 64- and
+    32-key tiles, 32-row groups (mma.sync, or keys as M for fp8) at 64 and 32 keys, for a
+    16-row problem its group at 64 and 32 keys with 4 or 8 warps, and for fp8 the old fp8
+    P.V (V transposed byte by byte) beside the fp16 one. All but the 64 x 64 tile compile
+    without spills on Triton 3.8 and 3.9 at these shapes (``rocm-mla bench static``); that
+    one spills 36-40 B on 3.8 and none on 3.9. Other targets get ``sweep``'s space."""
+    from dataclasses import replace
+
+    from rocm_mla.kernels.tuned_configs import LaunchConfig
+
+    if target.backend != "cuda":
+        return sweep(target, kv_kind, quick=True)
+    fp8 = kv_kind == "fp8"
+    fp8_dots = {"fp8_qk": True} if fp8 else {}
+    shrunk = {"shrunk_prefetch_ids": True, "shrunk_keys_as_m": True if fp8 else None}
+    configs = [
+        LaunchConfig(block_h=64, block_n=n, num_warps=8, num_stages=s, **fp8_dots, **shrunk)
+        for n, s in ((64, 2), (32, 3))
+    ]
+    sizes = [(32, 64, 8, 3), (32, 32, 8, 3)]
+    if heads * q_len <= 16:  # one 16-row group
+        sizes = [(16, 64, 8, 3), (16, 32, 8, 3), (16, 64, 8, 2), (16, 64, 4, 3), (16, 32, 4, 4)]
+    configs += [
+        LaunchConfig(
+            block_h=h,
+            block_n=n,
+            num_warps=w,
+            num_stages=s,
+            prefetch_ids=True,
+            keys_as_m=fp8,
+            **fp8_dots,
+        )
+        for h, n, w, s in sizes
+    ]
+    if fp8:
+        configs.append(replace(configs[0], fp8_pv=True))
+    return configs
+
+
 def make_problem(batch, context, heads, q_len, kv_kind, device, seed=0):
     from benchmarks.kernel_roofline import build_cache
     from rocm_mla.inputs import prepare_decode
@@ -164,6 +205,54 @@ def is_correct(config, check, reference) -> str | None:
     return None
 
 
+def _warm_one(job: tuple) -> str | None:
+    """Compile one candidate's kernels (Triton's disk cache keeps them) by running its
+    correctness check and one timed-shape call, in a worker process; the error, if any."""
+    config_dict, heads, q_len, kv_kind, batch, context = job
+    from rocm_mla.kernels.tuned_configs import LaunchConfig
+
+    config = LaunchConfig.from_dict(config_dict)
+    try:
+        from rocm_mla.backends.torch_ref import torch_mla_decode
+        from rocm_mla.kernels import mla_decode as kernel
+        from rocm_mla.kernels.target import triton_target
+
+        problem = make_problem(batch, context, heads, q_len, kv_kind, "cuda")
+        check = make_problem(3, 700, heads, q_len, kv_kind, "cuda", seed=1)
+        planned, slots = kernel.plan_launch(
+            q_len=q_len,
+            num_heads=heads,
+            kv_dtype=problem.kv_cache.dtype,
+            target=triton_target(),
+            config=config,
+            q_dtype=problem.q.dtype,
+            head_dim=HEAD_DIM,
+            head_dim_v=HEAD_DIM_V,
+            page_size=BLOCK_SIZE,
+            cache_bytes=problem.kv_cache.numel() * problem.kv_cache.element_size(),
+        )
+        wrong = is_correct(planned, check, torch_mla_decode(check))
+        decode_call(problem, planned, planned_schedule(problem, planned, slots))()
+        torch.cuda.synchronize()
+        return wrong
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+def warm(candidates, heads, q_len, kv_kind, args) -> None:
+    """Compile every candidate in ``args.jobs`` processes at once (the device machine's
+    cores), so that the timing loop below finds each kernel compiled."""
+    import multiprocessing
+
+    if args.jobs <= 1:
+        return
+    jobs = [(c.to_dict(), heads, q_len, kv_kind, args.batch, args.context) for c in candidates]
+    with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(jobs))) as pool:
+        for config, error in zip(candidates, pool.map(_warm_one, jobs), strict=True):
+            if error is not None:
+                print(f"autotune: {config}: {error}", file=sys.stderr)
+
+
 def tune_bucket(target, heads, q_len, kv_kind, args) -> dict:
     import triton
 
@@ -177,7 +266,13 @@ def tune_bucket(target, heads, q_len, kv_kind, args) -> dict:
     current = kernel.default_config(
         target, num_heads=heads, q_len=q_len, kv_dtype=problem.kv_cache.dtype
     )
-    candidates = [current] + [c for c in sweep(target, kv_kind, args.quick) if c != current]
+    space = (
+        focused(target, heads, q_len, kv_kind)
+        if args.focused
+        else sweep(target, kv_kind, args.quick)
+    )
+    candidates = [current] + [c for c in space if c != current]
+    warm(candidates, heads, q_len, kv_kind, args)
     timings, best, tried = [], None, set()
     for i, config in enumerate(candidates):
         common.progress(i, len(candidates), f"H{heads} S_q{q_len} {kv_kind} {config}")
@@ -223,6 +318,21 @@ def tune_bucket(target, heads, q_len, kv_kind, args) -> dict:
     return {"best": best, "baseline_us": baseline, "timings": timings}
 
 
+def _parse_shape(text: str, parser: argparse.ArgumentParser) -> tuple[int, int, str, int, int]:
+    parts = text.split(",")
+    if len(parts) != 5 or parts[2] not in ("bf16", "fp8"):
+        parser.error(
+            f"--shape must be H,S_Q,bf16|fp8,B,CTX (e.g. 128,1,bf16,64,8192), got {text!r}"
+        )
+    try:
+        heads, q_len, batch, context = (int(parts[i]) for i in (0, 1, 3, 4))
+    except ValueError:
+        parser.error(f"--shape: H, S_Q, B and CTX must be integers, got {text!r}")
+    if min(heads, q_len, batch, context) < 1:
+        parser.error(f"--shape: H, S_Q, B and CTX must be >= 1, got {text!r}")
+    return heads, q_len, parts[2], batch, context
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.autotune_triton", description=__doc__.split("\n")[0]
@@ -234,10 +344,27 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--context", type=int, default=8192, help="keys per request")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per config")
     parser.add_argument("--quick", action="store_true", help="a small sweep around 64 rows")
+    parser.add_argument(
+        "--focused",
+        action="store_true",
+        help="issue 37's candidates for the weak sm90 shapes (focused()) instead of the sweep",
+    )
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="H,S_Q,KV,B,CTX",
+        help="tune these shapes (e.g. 128,1,bf16,64,8192) instead of --heads x --q-lens x --kv",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="processes that compile the candidates first"
+    )
     parser.add_argument("--out", type=Path, help="output JSON (default: benchmarks/results/...)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("autotune needs a GPU (torch sees none)")
+
+    import triton
 
     from rocm_mla.kernels import mla_decode as kernel
     from rocm_mla.kernels import tuned_configs as tables
@@ -247,13 +374,20 @@ def main(argv: list[str] | None = None) -> Path:
     key = kernel.target_key(target)
     device = common.device_name()
     entries, report = [], []
-    for heads, q_len, kv_kind in itertools.product(args.heads, args.q_lens, args.kv):
+    shapes = [
+        (heads, q_len, kv_kind, args.batch, args.context)
+        for heads, q_len, kv_kind in itertools.product(args.heads, args.q_lens, args.kv)
+    ]
+    if args.shape:
+        shapes = [_parse_shape(text, parser) for text in args.shape]
+    for heads, q_len, kv_kind, batch, context in shapes:
+        args.batch, args.context = batch, context
         result = tune_bucket(target, heads, q_len, kv_kind, args)
         best = result["best"]
         speedup = (result["baseline_us"] or float("nan")) / best["time_us"]
         source = (
             f"measured: autotune on {device}, {datetime.date.today().isoformat()}, "
-            f"B{args.batch} ctx{args.context}, {best['time_us']:.1f} us "
+            f"Triton {triton.__version__}, B{batch} ctx{context}, {best['time_us']:.1f} us "
             f"({speedup:.2f}x the previous entry)"
         )
         entries.append(
@@ -265,7 +399,10 @@ def main(argv: list[str] | None = None) -> Path:
                 "source": source,
             }
         )
-        report.append({"heads": heads, "q_len": q_len, "kv": kv_kind, **result})
+        report.append(
+            {"heads": heads, "q_len": q_len, "kv": kv_kind, "batch": batch, "context": context}
+            | result
+        )
         print(f"H{heads} S_q{q_len} {kv_kind}: {source}", file=sys.stderr)
     payload = {
         "target": key,
