@@ -88,7 +88,23 @@ class Router(nn.Module):
         The correction bias only decides which experts are chosen (aux-loss-free balancing);
         the weights are the unbiased sigmoid scores of the chosen experts.
         """
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [T, E]
+        scores = self.scores(x)
+        ids = self.choose(scores)
+        return self.weigh(scores, ids), ids
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """The sigmoid scores ``[T, E]`` of ``x [T, D]``, computed in fp32."""
+        return torch.sigmoid(x.float() @ self.weight.float().t())
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The ``top_k`` expert ids ``[T, k]`` of ``scores [T, E]`` plus the correction bias,
+        within the best ``topk_group`` groups when grouped.
+
+        A discrete choice: two experts whose scores lie a rounding apart trade places between
+        precisions or devices, and the token's output jumps (make_tiny's random checkpoints
+        have margins down to 1e-4). A comparison across precisions therefore holds the ids
+        of its reference run and calls ``weigh`` (tests/test_mxfp4.py).
+        """
         choice = scores + self.e_score_correction_bias.float()
         if self.grouped:
             t, e = choice.shape
@@ -99,11 +115,15 @@ class Router(nn.Module):
             group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
             expert_mask = group_mask[:, :, None].expand_as(per_group).reshape(t, e)
             choice = choice.masked_fill(~expert_mask, float("-inf"))
-        ids = choice.topk(self.top_k, dim=-1).indices
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def weigh(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The weights ``[T, k]`` fp32 of experts ``ids [T, k]`` from ``scores [T, E]``:
+        renormalized over the k when configured, times ``routed_scaling_factor``."""
         weights = scores.gather(1, ids)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scale, ids
+        return weights * self.scale
 
 
 class MoE(nn.Module):
