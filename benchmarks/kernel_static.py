@@ -59,6 +59,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import functools
+import inspect
 import io
 import itertools
 import json
@@ -404,14 +405,15 @@ def specialize(launch: Launch, target: GpuTarget) -> dict:
     fn = _jit_function(launch)
     backend = make_backend(target.gpu_target())
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    # The options JITFunction.run adds before binding.
+    # The options JITFunction.run adds before binding, as far as this Triton has them.
     kwargs = dict(launch.kwargs)
     kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    for option in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+        if hasattr(knobs.compilation, option):
+            kwargs[option] = getattr(knobs.compilation, option)
     bound, specialization, options = binder(*launch.args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(
-        backend, kwargs, bound, specialization, options
+    options, signature, constexprs, attrs = _pack_args(
+        fn, backend, kwargs, bound, specialization, options
     )
     request = {
         "kernel": launch.kernel,
@@ -424,6 +426,29 @@ def specialize(launch: Launch, target: GpuTarget) -> dict:
     }
     request["key"] = _compile_key(request)
     return request
+
+
+def _pack_args(fn, backend, kwargs: dict, bound: dict, specialization: list, options) -> tuple:
+    """``(options, signature, constexprs, attrs)`` of a bound launch, as ``JITFunction.run``
+    hands them to the compiler. Triton 3.5 on has ``JITFunction._pack_args``; Triton 3.4 does
+    the same steps inline in ``run``, which this repeats (its attributes are every
+    specialization's second entry, constexprs included, as 3.5's ``_pack_args`` has them)."""
+    if hasattr(fn, "_pack_args"):
+        return fn._pack_args(backend, kwargs, bound, specialization, options)
+    from triton._utils import find_paths_if, get_iterable_path
+
+    options = backend.parse_options(kwargs)
+    names = [p.name for p in fn.params]
+    kinds = [x[0] for x in specialization]
+    unknown = [k for k in kwargs if k not in options.__dict__ and k not in names]
+    if unknown:
+        raise KeyError(f"kernel_static: {fn.__name__} got unrecognised options {unknown}")
+    constexprs = find_paths_if(kinds, lambda _, kind: kind == "constexpr")
+    constexprs = {path: get_iterable_path(list(bound.values()), path) for path in constexprs}
+    attr_values = [x[1] for x in specialization]
+    attrs = find_paths_if(attr_values, lambda _, x: isinstance(x, str))
+    attrs = {k: backend.parse_attr(get_iterable_path(attr_values, k)) for k in attrs}
+    return options, dict(zip(names, kinds, strict=True)), constexprs, attrs
 
 
 def _compile_key(request: dict) -> str:
@@ -456,19 +481,20 @@ def _triton_bin(name: str) -> Path:
     return path
 
 
-def compile_and_read(request: dict) -> dict:
-    """Compile one request (in a worker process) and read resources and the main loop."""
+def build(request: dict) -> tuple:
+    """``(compiled kernel, Triton's own ptxas log or "", seconds)`` of one compile request."""
     import triton
+    from triton import knobs
     from triton.compiler import ASTSource
 
     import rocm_mla.kernels.mla_decode  # noqa: F401
 
     target = TARGETS[request["target"]]
     fn = getattr(sys.modules[request["module"]], request["kernel"])
-    from triton import knobs
-
-    # Triton prints its own ptxas run's log (registers, spills) with this knob: one ptxas run.
-    knobs.nvidia.dump_ptxas_log = True
+    # Triton prints its own ptxas run's log (registers, spills) with this knob (3.5 on): one
+    # ptxas run.
+    if hasattr(knobs.nvidia, "dump_ptxas_log"):
+        knobs.nvidia.dump_ptxas_log = True
     log = io.StringIO()
     start = time.perf_counter()
     with contextlib.redirect_stdout(log):
@@ -477,7 +503,32 @@ def compile_and_read(request: dict) -> dict:
             target=target.gpu_target(),
             options=request["options"],
         )
-    compile_s = time.perf_counter() - start
+    return kernel, log.getvalue(), time.perf_counter() - start
+
+
+def try_build(request: dict) -> dict:
+    """Compile one request; ``error`` is None or the failure's type and message. A failure
+    inside a called ``@triton.jit`` function is a chain of compile errors, one per call site:
+    the innermost one quotes the failing line, and its cause says what failed there."""
+    outcome = {k: request[k] for k in ("key", "kernel", "target")}
+    try:
+        _, _, seconds = build(request)
+    except Exception as error:  # a failed compile is the finding, reported per request
+        chain = [error]
+        while chain[-1].__cause__ is not None:
+            chain.append(chain[-1].__cause__)
+        located = [e for e in chain if type(e).__name__ == "CompilationError"] or [error]
+        text = f"{type(located[-1]).__name__}: {located[-1]}".strip()
+        if chain[-1] is not located[-1] and str(chain[-1]) not in text:
+            text += f"\n{type(chain[-1]).__name__}: {chain[-1]}"
+        return outcome | {"error": "\n".join(text.splitlines()[-40:]), "compile_s": None}
+    return outcome | {"error": None, "compile_s": round(seconds, 2)}
+
+
+def compile_and_read(request: dict) -> dict:
+    """Compile one request (in a worker process) and read resources and the main loop."""
+    target = TARGETS[request["target"]]
+    kernel, ptxas_log, compile_s = build(request)
     num_warps = request["options"]["num_warps"]
     info = {
         "key": request["key"],
@@ -489,7 +540,7 @@ def compile_and_read(request: dict) -> dict:
     }
     if target.backend == "cuda":
         fp_fusion = request["options"]["enable_fp_fusion"]
-        info.update(read_cuda(kernel.asm["ptx"], kernel.asm["cubin"], log.getvalue(), fp_fusion))
+        info.update(read_cuda(kernel.asm["ptx"], kernel.asm["cubin"], ptxas_log, fp_fusion))
     else:
         info.update(read_amdgcn(kernel.asm["amdgcn"]))
     info["ttgir"] = read_ttgir(kernel.asm["ttgir"])
@@ -508,7 +559,9 @@ def read_cuda(ptx: str, cubin: bytes, ptxas_log: str, fp_fusion: bool) -> dict:
         ptx_path.write_text(ptx)
         cubin_path.write_bytes(cubin)
         if "bytes spill stores" not in ptxas_log:
-            command = [get_ptxas(90).path, "-lineinfo", "-v", "--regAllocOptLevel=2"]
+            # Triton 3.6 on picks ptxas by arch; 3.4 and 3.5 have one.
+            ptxas = get_ptxas(90) if inspect.signature(get_ptxas).parameters else get_ptxas()
+            command = [ptxas.path, "-lineinfo", "-v", "--regAllocOptLevel=2"]
             command += [] if fp_fusion else ["--fmad=false"]
             command += ["--gpu-name=sm_90a", str(ptx_path), "-o", str(Path(tmp) / "v.cubin")]
             ptxas_log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
@@ -1209,15 +1262,33 @@ def record_target(cases: tuple[Case, ...], target: GpuTarget) -> tuple[dict, dic
     return plans, requests
 
 
+def pooled(fn, requests: list[dict], pool=None) -> Iterator[dict]:
+    """``fn(request)`` for every compile request, in ``pool``'s processes (None: here), as
+    they finish. sm90 stage-1 builds take longest (ptxas): they start first, so no worker
+    idles at the end."""
+    ordered = sorted(requests, key=lambda r: (r["target"] != "sm90", r["kernel"]))
+    if pool is None:
+        yield from (fn(request) for request in ordered)
+        return
+    futures = [pool.submit(fn, request) for request in ordered]
+    yield from (future.result() for future in concurrent.futures.as_completed(futures))
+
+
+def spawn_pool(workers: int):
+    """A pool of ``workers`` compile processes, or None for one (compile here). Spawned, not
+    forked: the parent holds torch and Triton state a fork would copy."""
+    if workers <= 1:
+        return None
+    context = multiprocessing.get_context("spawn")
+    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+
+
 def run(cases: tuple[Case, ...], targets: list[GpuTarget], workers: int = 2) -> dict:
     start = time.perf_counter()
     plans: dict[tuple[str, str], list[dict]] = {}
     requests: dict[str, dict] = {}
-    pool = None
-    if workers > 1:
-        # spawn, not fork: the parent holds torch and Triton state a fork would copy.
-        context = multiprocessing.get_context("spawn")
-        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+    pool = spawn_pool(workers)
+    if pool is not None:
         # One target per worker: each plans its cases (with its own residency cache).
         recorded = [f.result() for f in [pool.submit(record_target, cases, t) for t in targets]]
     else:
@@ -1228,16 +1299,9 @@ def run(cases: tuple[Case, ...], targets: list[GpuTarget], workers: int = 2) -> 
             requests.setdefault(key, request)
     record_s = time.perf_counter() - start
     kernels: dict[str, dict] = {}
-    # sm90 stage-1 builds take longest (ptxas): start them first so no worker idles at the end.
-    ordered = sorted(requests.values(), key=lambda r: (r["target"] != "sm90", r["kernel"]))
-    if pool is None:
-        done = (compile_and_read(request) for request in ordered)
-    else:
-        futures = [pool.submit(compile_and_read, request) for request in ordered]
-        done = (future.result() for future in concurrent.futures.as_completed(futures))
-    for i, info in enumerate(done):
+    for i, info in enumerate(pooled(compile_and_read, list(requests.values()), pool)):
         kernels[info["key"]] = info
-        common.progress(i, len(ordered), info["key"])
+        common.progress(i, len(requests), info["key"])
     if pool is not None:
         pool.shutdown()
     compile_s = time.perf_counter() - start - record_s

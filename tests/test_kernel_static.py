@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -17,6 +14,7 @@ import triton.language as tl
 
 from benchmarks import kernel_static as ks
 from rocm_mla.kernels.residency import RESIDENCY_TARGETS, resident_programs
+from tests.compile_helpers import run_compiler
 
 
 class TestResidencySm90:
@@ -331,13 +329,6 @@ class TestReaders:
 
 # ---- the static tool: compiling for real (slow, subprocesses without the interpreter) ------
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _compiler_env() -> dict:
-    # The tool compiles for GPUs; the test session's interpreter setting must not reach it.
-    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-
 
 @triton.jit
 def _probe_mla_loop(q_ptr, kv_ptr, out_ptr, num_keys, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -395,26 +386,13 @@ def probe_gates() -> dict:
     return results
 
 
-def _run(code: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=_compiler_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
-
-
 @pytest.mark.slow
 def test_gates_fail_on_a_spilling_and_a_replicating_kernel() -> None:
     code = (
         "import json; from tests.test_kernel_static import probe_gates; "
         "print(json.dumps(probe_gates()))"
     )
-    gates = json.loads(_run(code).strip().splitlines()[-1])
+    gates = json.loads(run_compiler(code).strip().splitlines()[-1])
     assert gates["sm90"]["no_spills"]["pass"] is False, gates["sm90"]["no_spills"]
     spills = gates["sm90"]["no_spills"]["evidence"]["spills_by_kernel"]
     assert all(v > 0 for v in spills.values())
@@ -427,7 +405,7 @@ def test_gates_fail_on_a_spilling_and_a_replicating_kernel() -> None:
 def test_reduced_case_list_meets_every_gate(tmp_path: Path) -> None:
     """Issue 20's acceptance on a few cases and all three targets: every gate met."""
     start = time.perf_counter()
-    _run(
+    run_compiler(
         "from benchmarks.kernel_static import main; main(['--cases', 'reduced', "
         f"'--targets', 'sm90,gfx942,gfx950', '--out', {str(tmp_path)!r}])"
     )
