@@ -456,7 +456,7 @@ class TestScheduleGates:
             "vgpr_spill_count": 0,
             "scratch_bytes": 0,
             "sgpr_spill_count": 0,
-            "loop": {"matrix": {"v_mfma_f32_16x16x16_bf16": 8}},
+            "loop": {"found": True, "matrix": {"v_mfma_f32_16x16x16_bf16": 8}},
         }
         planner = dict(kernel, vgpr_spill_count=batch_overrides.pop("planner_spills", 0))
         kv = {
@@ -488,6 +488,7 @@ class TestScheduleGates:
             "replication": 1.0,
             "row_padding": 1.0,
             "kv": kv,
+            "shared": {"by_width_bits": {"16": 128, "64": 32, "128": 2}},
         } | batch_overrides
         case = ks.Case("H128 Sq1 bf16", 128, 1, "bf16")
         return ks.gates(case, target, [batch], {"s1": kernel, "plan": planner})
@@ -508,6 +509,101 @@ class TestScheduleGates:
             self._gates(plan_slots_per_cu=2.0)["planner_uses_compiled_residency"]["pass"] is False
         )
         assert self._gates(kv_tile_loads_per_request=3.0)["kv_tile_loads_h128"]["pass"] is False
+        # A byte-wide shared access in the KV loop fails the narrow-shared gate on AMD; 16
+        # bits (bf16's ds_read_u16) do not.
+        assert good["narrow_shared"]["pass"] is True
+        byte_wide = {"by_width_bits": {"8": 256, "64": 16}}
+        assert self._gates(shared=byte_wide)["narrow_shared"]["pass"] is False
+        # A case whose kernels compiled passes "compiles".
+        assert good["compiles"]["pass"] is True
         # The planner kernel is under the spill gate too.
         spilled = self._gates(planner_spills=4)["no_spills"]
         assert spilled["pass"] is False and spilled["evidence"]["spills_by_kernel"]["plan"] == 4
+
+
+# ---- cases that do not compile, and other Triton versions (fast) -----------------------------
+
+
+class CompilationError(Exception):
+    """Named as Triton's, which ``describe_failure`` finds by name."""
+
+
+class TestFailures:
+    CASE = ks.Case("H16 Sq1 fp8", 16, 1, "fp8")
+
+    def test_a_plan_that_fails_or_is_refused(self) -> None:
+        target = ks.TARGETS["sm90"]
+        failed = {"batch": 8, "refused": False, "error": "RuntimeError: PassManager::run failed"}
+        gates = ks.analyze(self.CASE, target, failed, {})["gates"]
+        assert list(gates) == ["compiles"] and gates["compiles"]["pass"] is False
+        refused = dict(failed, refused=True, error="ValueError: Triton 3.4.0 is below 3.5.1")
+        gates = ks.analyze(self.CASE, target, refused, {})["gates"]
+        assert gates["compiles"]["pass"] is None and not gates["compiles"]["applies"]
+
+    def test_a_kernel_that_does_not_compile_fails_its_cases(self) -> None:
+        kernels = {
+            "s1": {"kernel": "_mla_decode_stage1", "error": "RuntimeError: x\nk.py:1: error: bad"},
+            "plan": {"kernel": "_plan_schedule_kernel", "loop": {"found": False}},
+        }
+        plans = [{"batch": 8, "keys": ["plan", "s1"], "stage1": "s1"}]
+        result = ks.analyze(self.CASE, ks.TARGETS["gfx942"], plans, kernels)
+        assert result["per_batch"] == []
+        assert result["gates"]["compiles"]["pass"] is False
+        assert result["gates"]["compiles"]["evidence"]["kernels"] == {"s1": kernels["s1"]["error"]}
+        payload = {
+            "environment": {"triton": "3.6.0", "date": "2026-12-04"},
+            "context": 32768,
+            "page_size": 64,
+            "batches": [8],
+            "wall_s": {"total": 1.0},
+            "distinct_compiles": 2,
+            "all_gates_pass": False,
+            "failed_gates": ["compiles"],
+            "kernels": kernels,
+            "results": [
+                {"case": {"name": self.CASE.name}, "target": "gfx942", **result},
+                {
+                    "case": {"name": "H128 Sq1 fp8"},
+                    "target": "sm90",
+                    **ks.analyze(
+                        self.CASE,
+                        ks.TARGETS["sm90"],
+                        {"batch": 8, "refused": True, "error": "ValueError: below the floor"},
+                        {},
+                    ),
+                },
+            ],
+        }
+        text = ks.markdown(payload)
+        assert "| _mla_decode_stage1 does not compile: bad |" in text
+        assert "| refused: ValueError: below the floor |" in text
+
+    def test_describe_failure_names_the_innermost_error_and_mlir_errors(self) -> None:
+        try:
+            try:
+                try:
+                    raise AttributeError("'int' object has no attribute 'to'")
+                except AttributeError as root:
+                    raise CompilationError("at 3:4:\n    x = n.to(tl.int64)\n        ^") from root
+            except CompilationError as inner:
+                raise CompilationError("at 9:8:\n    f(n)") from inner
+        except CompilationError as outer:
+            text = ks.describe_failure(outer, ["k.py:1:0: error: failed to legalize"])
+        assert text.startswith("CompilationError: at 3:4:") and "f(n)" not in text
+        assert "AttributeError: 'int' object has no attribute 'to'" in text
+        assert text.endswith("error: failed to legalize")
+
+
+class TestTritonFolders:
+    def test_a_version_or_a_folder(self, tmp_path: Path, monkeypatch) -> None:
+        wheel = tmp_path / "3.9.9"
+        (wheel / "triton").mkdir(parents=True)
+        (wheel / "triton" / "__init__.py").write_text("")
+        monkeypatch.setenv("ROCM_MLA_TRITONS", str(tmp_path))
+        assert ks.triton_folder("3.9.9") == wheel.resolve()
+        assert ks.triton_folder(str(wheel)) == wheel.resolve()
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        with pytest.raises(SystemExit, match=r"pip install --no-deps --target .*triton==3\.1\.0"):
+            ks.triton_folder("3.1.0")
+        with pytest.raises(SystemExit, match="expected a version"):
+            ks.triton_folder("latest")
