@@ -1656,9 +1656,13 @@ def _gate_names(results: list[dict]) -> list[str]:
 
 
 def _first_line(text: str) -> str:
-    """A failure's one line for a table: MLIR's first error, else the exception's last line."""
+    """A failure's one line for a table: the MLIR pass that failed, else MLIR's first error,
+    else the exception's last line."""
     lines = [line for line in text.splitlines() if line.strip()]
+    passes = re.findall(r"Pipeline failed while executing \[`(\w+)`", text)
     errors = [line.split("error: ", 1)[1] for line in lines if "error: " in line]
+    if passes:
+        return f"MLIR pass {passes[0]} fails"
     return (errors or lines[-1:] or ["?"])[0].strip().replace("|", "/")[:140]
 
 
@@ -1949,7 +1953,10 @@ def main(argv: list[str] | None = None) -> Path:
     import triton
 
     payload = run(cases, [TARGETS[t] for t in names], workers=args.workers, loops_dir=args.loops)
-    path = common.write_results(f"kernel-static-triton-{triton.__version__}", payload, args.out)
+    # Named by the Triton and, unless every case ran, the selection.
+    selection = "-cases" if args.case else "-reduced" if args.cases == "reduced" else ""
+    stem = f"kernel-static{selection}-triton-{triton.__version__}"
+    path = common.write_results(stem, payload, args.out)
     path.with_suffix(".md").write_text(markdown(payload))
     plot(payload, path.with_suffix(".png"))
     print(markdown(payload))

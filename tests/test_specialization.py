@@ -251,7 +251,7 @@ def test_every_launch_compiles_with_its_int_arguments_at_one(swept: dict) -> Non
                 f"{launch['kernel']} on {launch['target']} ({launch['shape']}; at 1: "
                 f"{', '.join(launch['constexpr_ones'])}):\n{outcome['error']}"
             )
-    assert not failed, f"{len(failed)} of {len(swept['outcomes'])} builds fail:\n\n" + (
+    assert not failed, f"{len(failed)} failures ({len(swept['outcomes'])} builds):\n\n" + (
         "\n\n".join(failed)
     )
 
