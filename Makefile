@@ -8,6 +8,7 @@
 #   make bench-dcp   DCP 2 vs DCP 1 decode step speedup (two processes)
 #   make bench-schedule  no GPU: decode schedule makespan vs lower bounds (JSON + PNG + markdown)
 #   make bench-gpu   one GPU: call overhead, graph replay, engine vs transformers (JSON + PNG)
+#   make compile-check TRITON=3.5.1  no GPU: the kernels compiled for sm90 and gfx942 under that Triton
 #
 # TORCH is the torch spec installed into a *new* venv. Where the system python already has
 # a GPU (ROCm/CUDA) torch, the venv sees it through --system-site-packages and nothing is
@@ -20,7 +21,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rocm-mla-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-vllm test-sglang lint bench bench-dcp bench-static bench-schedule bench-gpu format clean
+.PHONY: demo test test-vllm test-sglang lint bench bench-dcp bench-static bench-schedule bench-gpu compile-check format clean
 
 $(STAMP): pyproject.toml
 	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if (torch.version.hip or torch.version.cuda) else 1)" 2>/dev/null; then \
@@ -101,6 +102,24 @@ bench-static: $(STAMP)
 bench-schedule: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib
 	$(PY) -m benchmarks.schedule
+
+# No GPU: the decode's kernels built under another Triton, installed --no-deps into a folder
+# cached outside the clone (TRITON_DIR): the specialization test (every launch with its int
+# arguments at 1), then bench static's reduced cases (all its gates reported, results named by
+# the Triton version under benchmarks/results; it fails only on the gate "compiles"). Both
+# steps run and report every build that fails. Triton 3.4 (ROCm images') builds gfx942 only
+# (COMPILE_TARGETS=gfx942) and links it with an ld.lld of LLVM 17 or newer (apt-get install
+# lld; see benchmarks/kernel_static.py, hip_linker).
+TRITON ?= 3.9.0
+TRITON_DIR ?= $${XDG_CACHE_HOME:-$$HOME/.cache}/rocm-mla/triton-$(TRITON)
+COMPILE_TARGETS ?= sm90,gfx942
+compile-check: $(STAMP)
+	@test -f "$(TRITON_DIR)/triton/__init__.py" || $(PY) -m pip install --quiet --no-deps --target "$(TRITON_DIR)" "triton==$(TRITON)"
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib
+	@status=0; \
+	PYTHONPATH="$(TRITON_DIR):$$PWD" ROCM_MLA_COMPILE_TARGETS=$(COMPILE_TARGETS) $(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS) tests/test_specialization.py || status=1; \
+	$(PY) -m benchmarks.kernel_static --triton "$(TRITON_DIR)" --cases reduced --targets $(COMPILE_TARGETS) --fail-on compiles || status=1; \
+	exit $$status
 
 # One GPU: call overhead (kernel-only vs planned vs one-shot), graph replay vs eager, and the
 # engine vs transformers on the GPU (bf16, fp32, 16K prefill). Under 8 minutes.

@@ -1,5 +1,5 @@
-"""The compile-level gate of the Triton MLA decode (issue 20): what the compiled code does on
-sm90, gfx942 and gfx950, measured without a GPU.
+"""The compile-level gate of the Triton MLA decode (issues 20, 37): what the compiled code does
+on sm90, gfx942 and gfx950, measured without a GPU, under any Triton from 3.4 to 3.9.
 
 For every case (a decode shape Kimi-K3 runs at, or H16 / H128) and batch (8, 32, 128 requests
 of a 32K context, page 64), the real host launcher ``mla_decode`` runs on ``meta`` tensors with
@@ -14,6 +14,11 @@ specialization with ``triton.compile`` (two processes), and read back:
   matrix instructions), the TTGIR (shared buffers, async copies, register round trips).
 - gfx942 / gfx950: the amdgcn text (``NumVgprs``, ``NumAgprs``, SGPRs, spill counts, the
   main loop's blocks by LLVM's loop comments) and the TTGIR.
+
+In both, the main loop's shared-memory loads and stores are counted by opcode and width
+(sm90 ``LDS``/``STS``/``LDSM``/``STSM`` with their suffixes, AMD ``ds_read``/``ds_write``/
+``ds_load``/``ds_store`` with their types), with the bytes they move per iteration over the
+bytes of the KV tile the iteration loads.
 
 "Main loop" is the KV walk: in every reader, the innermost loop (one holding no other loop
 with matrix ops) with the most of them, since stage 1's loop over its slot's segments
@@ -34,6 +39,9 @@ lengths are meta tensors here), so its figures come from ``host_schedule`` on th
 lengths (every request ``context`` keys), which writes the device planner's tables. The
 gates, as measured now:
 
+- ``compiles``: the case plans and every kernel it launches compiles. A plan the planner
+  refuses by name (a ``ValueError``, e.g. a Triton below the target's floor) is not
+  applicable; any other failure fails, and the case's other gates are not computed.
 - ``no_spills``: no spill in any of the three kernels (the planner included).
 - ``issued_over_useful``, ``fp8_matrix_op``, ``kv_loads_overlap``,
   ``guard_without_round_trip``: stage 1's KV loop, unchanged.
@@ -49,8 +57,23 @@ gates, as measured now:
   adds a segment (a prologue and a partial, in the cost model) but no load, since a unit's
   segments walk disjoint whole tiles (pieces are multiples of every BLOCK_N); the segments
   per unit are reported beside it.
+- ``narrow_shared`` (issue 37): no shared-memory access narrower than
+  ``MIN_SHARED_ACCESS_BITS`` in stage 1's KV loop: on sm90 none of 8 or 16 bits a thread
+  (``LDS.U8``, ``STS.U16``, ...), on AMD none of 8 (``ds_read_u8``, ``ds_write_b8``); AMD's
+  16-bit accesses are reported (bf16's V is read with ``ds_read_u16``; no AMD measurement yet
+  says what they cost). On the H200 the fp8 builds that trip it ran at 0.20-0.95x our bf16
+  speed (ncu: byte-wise V transposes through shared memory, 29-way bank conflicts).
 
-    python -m benchmarks.kernel_static [--cases all|reduced] [--targets sm90,gfx942,gfx950]
+    python -m benchmarks.kernel_static [--cases all|reduced | --case NAME ...]
+        [--targets sm90,gfx942,gfx950] [--triton VERSION|DIR] [--loops DIR] [--fail-on GATES]
+
+``--triton`` runs the whole command under another Triton: a folder holding an unpacked wheel
+(``pip install --no-deps --target DIR triton==3.8.0``), or a version found as
+``$ROCM_MLA_TRITONS/<version>`` or ``~/.cache/rocm-mla/triton-<version>`` (where ``make
+compile-check`` installs it); the results' file names carry the Triton version. Triton 3.4
+links AMD code with an external ``ld.lld`` (``TRITON_HIP_LLD_PATH``; ``hip_linker`` finds one
+from ``apt-get install lld``, LLVM 17 or newer for gfx942). ``--loops`` writes stage 1's KV
+loop of each case (B 32) as text the readers read back (``tests/data/narrow_shared``).
 """
 
 from __future__ import annotations
@@ -59,12 +82,15 @@ import argparse
 import concurrent.futures
 import contextlib
 import functools
+import inspect
 import io
 import itertools
 import json
 import math
 import multiprocessing
+import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -88,6 +114,13 @@ COMPUTE_BOUND_ROWS = 64  #: rows (H x S_q) per request from which issued/useful 
 MIN_WAVE_FILL = 0.9
 MIN_GATED_BATCH = 8
 MAX_TILE_LOADS_H128 = 2
+#: Issue 37, item 3: the narrowest shared-memory access, in bits a thread / lane, the KV loop
+#: may make. The H200 (ncu) saw 29-way bank conflicts from sm90's fp8 V moved byte by byte
+#: (128 STS.U8 or LDS.U8 an iteration), and gfx942's fp8 builds read 256 ds_read_u8 an
+#: iteration: a byte is never allowed. sm90 also refuses 16 bits (LDS.U16, STS.U16). On AMD
+#: the bf16 builds read V with ds_read_u16 (128 an iteration on gfx942) and no AMD hardware
+#: has measured what that costs: 16 bits are reported there, not refused.
+MIN_SHARED_ACCESS_BITS = {"cuda": 32, "hip": 16}
 #: The module whose launches are stage 1 (the split-KV decode), and the schedule planner's.
 STAGE1_MODULE = "rocm_mla.kernels.mla_decode_kernel"
 PLANNER_MODULE = "rocm_mla.kernels.schedule"
@@ -404,14 +437,15 @@ def specialize(launch: Launch, target: GpuTarget) -> dict:
     fn = _jit_function(launch)
     backend = make_backend(target.gpu_target())
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    # The options JITFunction.run adds before binding.
+    # The options JITFunction.run adds before binding, as far as this Triton has them.
     kwargs = dict(launch.kwargs)
     kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    for option in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+        if hasattr(knobs.compilation, option):
+            kwargs[option] = getattr(knobs.compilation, option)
     bound, specialization, options = binder(*launch.args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(
-        backend, kwargs, bound, specialization, options
+    options, signature, constexprs, attrs = _pack_args(
+        fn, backend, kwargs, bound, specialization, options
     )
     request = {
         "kernel": launch.kernel,
@@ -424,6 +458,29 @@ def specialize(launch: Launch, target: GpuTarget) -> dict:
     }
     request["key"] = _compile_key(request)
     return request
+
+
+def _pack_args(fn, backend, kwargs: dict, bound: dict, specialization: list, options) -> tuple:
+    """``(options, signature, constexprs, attrs)`` of a bound launch, as ``JITFunction.run``
+    hands them to the compiler. Triton 3.5 on has ``JITFunction._pack_args``; Triton 3.4 does
+    the same steps inline in ``run``, which this repeats (its attributes are every
+    specialization's second entry, constexprs included, as 3.5's ``_pack_args`` has them)."""
+    if hasattr(fn, "_pack_args"):
+        return fn._pack_args(backend, kwargs, bound, specialization, options)
+    from triton._utils import find_paths_if, get_iterable_path
+
+    options = backend.parse_options(kwargs)
+    names = [p.name for p in fn.params]
+    kinds = [x[0] for x in specialization]
+    unknown = [k for k in kwargs if k not in options.__dict__ and k not in names]
+    if unknown:
+        raise KeyError(f"kernel_static: {fn.__name__} got unrecognised options {unknown}")
+    constexprs = find_paths_if(kinds, lambda _, kind: kind == "constexpr")
+    constexprs = {path: get_iterable_path(list(bound.values()), path) for path in constexprs}
+    attr_values = [x[1] for x in specialization]
+    attrs = find_paths_if(attr_values, lambda _, x: isinstance(x, str))
+    attrs = {k: backend.parse_attr(get_iterable_path(attr_values, k)) for k in attrs}
+    return options, dict(zip(names, kinds, strict=True)), constexprs, attrs
 
 
 def _compile_key(request: dict) -> str:
@@ -456,19 +513,20 @@ def _triton_bin(name: str) -> Path:
     return path
 
 
-def compile_and_read(request: dict) -> dict:
-    """Compile one request (in a worker process) and read resources and the main loop."""
+def build(request: dict) -> tuple:
+    """``(compiled kernel, Triton's own ptxas log or "", seconds)`` of one compile request."""
     import triton
+    from triton import knobs
     from triton.compiler import ASTSource
 
     import rocm_mla.kernels.mla_decode  # noqa: F401
 
     target = TARGETS[request["target"]]
     fn = getattr(sys.modules[request["module"]], request["kernel"])
-    from triton import knobs
-
-    # Triton prints its own ptxas run's log (registers, spills) with this knob: one ptxas run.
-    knobs.nvidia.dump_ptxas_log = True
+    # Triton prints its own ptxas run's log (registers, spills) with this knob (3.5 on): one
+    # ptxas run.
+    if hasattr(knobs.nvidia, "dump_ptxas_log"):
+        knobs.nvidia.dump_ptxas_log = True
     log = io.StringIO()
     start = time.perf_counter()
     with contextlib.redirect_stdout(log):
@@ -477,7 +535,74 @@ def compile_and_read(request: dict) -> dict:
             target=target.gpu_target(),
             options=request["options"],
         )
-    compile_s = time.perf_counter() - start
+    return kernel, log.getvalue(), time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def compiler_stderr() -> Iterator[list[str]]:
+    """Catch what is written to this process's stderr below Python (MLIR writes a failed
+    pass's diagnostics, and the whole module, there); on exit the list holds its error and
+    note lines."""
+    caught_lines: list[str] = []
+    with tempfile.TemporaryFile(mode="w+") as caught:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield caught_lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            caught_lines += [
+                line.rstrip() for line in caught if re.search(r"\b(error|note): ", line)
+            ]
+
+
+def describe_failure(error: BaseException, diagnostics: list[str]) -> str:
+    """A failed compile in a few lines. A failure inside a called ``@triton.jit`` function is
+    a chain of compile errors, one per call site: the innermost one quotes the failing line,
+    and its cause says what failed there; an MLIR pass failure is in the diagnostics."""
+    chain = [error]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    located = [e for e in chain if type(e).__name__ == "CompilationError"] or [error]
+    text = f"{type(located[-1]).__name__}: {located[-1]}".strip()
+    if chain[-1] is not located[-1] and str(chain[-1]) not in text:
+        text += f"\n{type(chain[-1]).__name__}: {chain[-1]}"
+    return "\n".join(text.splitlines()[-40:] + diagnostics[:6])
+
+
+def try_build(request: dict) -> dict:
+    """Compile one request; ``error`` is None or what failed (``describe_failure``)."""
+    outcome = {k: request[k] for k in ("key", "kernel", "target")}
+    with compiler_stderr() as diagnostics:
+        try:
+            _, _, seconds = build(request)
+            error = None
+        except Exception as failure:  # a failed compile is the finding, reported per request
+            error = failure
+    if error is not None:
+        return outcome | {"error": describe_failure(error, diagnostics), "compile_s": None}
+    return outcome | {"error": None, "compile_s": round(seconds, 2)}
+
+
+def compile_or_fail(request: dict) -> dict:
+    """``compile_and_read``, or the request's key, kernel, target and ``error`` when it does
+    not compile."""
+    with compiler_stderr() as diagnostics:
+        try:
+            return compile_and_read(request)
+        except Exception as failure:  # reported per case and target: the gate "compiles"
+            error = failure
+    outcome = {k: request[k] for k in ("key", "kernel", "target")}
+    return outcome | {"error": describe_failure(error, diagnostics)}
+
+
+def compile_and_read(request: dict) -> dict:
+    """Compile one request (in a worker process) and read resources and the main loop."""
+    target = TARGETS[request["target"]]
+    kernel, ptxas_log, compile_s = build(request)
     num_warps = request["options"]["num_warps"]
     info = {
         "key": request["key"],
@@ -489,14 +614,24 @@ def compile_and_read(request: dict) -> dict:
     }
     if target.backend == "cuda":
         fp_fusion = request["options"]["enable_fp_fusion"]
-        info.update(read_cuda(kernel.asm["ptx"], kernel.asm["cubin"], log.getvalue(), fp_fusion))
+        info.update(
+            read_cuda(
+                kernel.asm["ptx"],
+                kernel.asm["cubin"],
+                ptxas_log,
+                fp_fusion,
+                request.get("excerpt", False),
+            )
+        )
     else:
-        info.update(read_amdgcn(kernel.asm["amdgcn"]))
+        info.update(read_amdgcn(kernel.asm["amdgcn"], request.get("excerpt", False)))
     info["ttgir"] = read_ttgir(kernel.asm["ttgir"])
     return info
 
 
-def read_cuda(ptx: str, cubin: bytes, ptxas_log: str, fp_fusion: bool) -> dict:
+def read_cuda(
+    ptx: str, cubin: bytes, ptxas_log: str, fp_fusion: bool, excerpt: bool = False
+) -> dict:
     """Registers (the cubin's), spill bytes (ptxas's log of that build) and the SASS loop.
 
     ``ptxas_log`` is what Triton's own ptxas run printed; on a Triton cache hit there was no
@@ -508,7 +643,9 @@ def read_cuda(ptx: str, cubin: bytes, ptxas_log: str, fp_fusion: bool) -> dict:
         ptx_path.write_text(ptx)
         cubin_path.write_bytes(cubin)
         if "bytes spill stores" not in ptxas_log:
-            command = [get_ptxas(90).path, "-lineinfo", "-v", "--regAllocOptLevel=2"]
+            # Triton 3.6 on picks ptxas by arch; 3.4 and 3.5 have one.
+            ptxas = get_ptxas(90) if inspect.signature(get_ptxas).parameters else get_ptxas()
+            command = [ptxas.path, "-lineinfo", "-v", "--regAllocOptLevel=2"]
             command += [] if fp_fusion else ["--fmad=false"]
             command += ["--gpu-name=sm_90a", str(ptx_path), "-o", str(Path(tmp) / "v.cubin")]
             ptxas_log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
@@ -534,7 +671,7 @@ def read_cuda(ptx: str, cubin: bytes, ptxas_log: str, fp_fusion: bool) -> dict:
         "regs_per_thread": int(regs.group(1)),
         "spill_store_bytes": int(spills.group(1)),
         "spill_load_bytes": int(spills.group(2)),
-        "loop": read_sass_loop(sass),
+        "loop": read_sass_loop(sass, excerpt),
     }
 
 
@@ -559,9 +696,10 @@ def _sass_matrix_shape(opcode: str) -> tuple[int, int, int, str] | None:
     return m, n, k, kind
 
 
-def read_sass_loop(sass: str) -> dict:
+def read_sass_loop(sass: str, excerpt: bool = False) -> dict:
     """Counts in the body of the first innermost backward branch (a loop holding no other
-    loop with matrix ops) with the most matrix ops."""
+    loop with matrix ops) with the most matrix ops; with ``excerpt`` also its SASS lines
+    (without their encodings), which this reader reads back to the same counts."""
     instructions = [
         (int(m.group(1), 16), m.group(2), m.group(3)) for m in _SASS_LINE.finditer(sass)
     ]
@@ -590,7 +728,7 @@ def read_sass_loop(sass: str) -> dict:
     ]
     # The first of the loops with the most matrix ops, as in the TTGIR (a verify window's
     # walk over the tiles every row sees comes first).
-    _, _, body, _ = max(loops, key=lambda loop: loop[:2])
+    _, _, body, (first, last) = max(loops, key=lambda loop: loop[:2])
     matrix: dict[str, int] = {}
     counts = dict.fromkeys(_SASS_COUNTED, 0)
     for op in body:
@@ -599,7 +737,20 @@ def read_sass_loop(sass: str) -> dict:
         for prefix in _SASS_COUNTED:
             if op == prefix or op.startswith(prefix + "."):
                 counts[prefix] += 1
-    return {"found": True, "instructions": len(body), "matrix": matrix, "counts": counts}
+    loop = {
+        "found": True,
+        "instructions": len(body),
+        "matrix": matrix,
+        "counts": counts,
+        "shared": _shared_counts(body, "cuda"),
+    }
+    if excerpt:
+        loop["excerpt"] = "\n".join(
+            " ".join(m.group(0).split())
+            for m in _SASS_LINE.finditer(sass)
+            if first <= int(m.group(1), 16) <= last
+        )
+    return loop
 
 
 _AMD_MFMA = re.compile(r"^v_mfma_(?:scale_)?[a-z0-9]+?_(\d+)x(\d+)x(\d+)_?([a-z0-9_]*)$")
@@ -630,7 +781,7 @@ def _amd_matrix_shape(mnemonic: str) -> tuple[int, int, int, str] | None:
     return m, n, k, kind
 
 
-def read_amdgcn(text: str) -> dict:
+def read_amdgcn(text: str, excerpt: bool = False) -> dict:
     def number(pattern: str) -> int:
         match = re.search(pattern, text)
         if match is None:
@@ -644,19 +795,23 @@ def read_amdgcn(text: str) -> dict:
         "vgpr_spill_count": number(r"\.vgpr_spill_count:\s+(\d+)"),
         "sgpr_spill_count": number(r"\.sgpr_spill_count:\s+(\d+)"),
         "scratch_bytes": number(r"; ScratchSize: (\d+)"),
-        "loop": read_amdgcn_loop(text),
+        "loop": read_amdgcn_loop(text, excerpt),
     }
 
 
-def read_amdgcn_loop(text: str) -> dict:
+def read_amdgcn_loop(text: str, excerpt: bool = False) -> dict:
     """Counts in the blocks of the innermost loop (LLVM's ``Loop Header`` / ``in Loop:
     Header=`` block comments, which name a block's innermost loop) that holds the most
     MFMAs, among the loops that enclose no other loop with MFMAs (stage 1's loop over its
-    slot's segments holds the KV walk, and the pipeliner's peeled iterations)."""
+    slot's segments holds the KV walk, and the pipeliner's peeled iterations); with
+    ``excerpt`` also the loop's blocks as text (labels, their loop comments and the
+    instructions), which this reader reads back to the same counts."""
     blocks: dict[str, list[str]] = {}
+    lines: dict[str, list[str]] = {}  # loop header -> its blocks' lines, for the excerpt
     enclosing: dict[str, set[str]] = {}  # loop header -> the loops around it
     current = None
     label, notes = None, ""  # a block whose label comments (one line or more) are being read
+    heading: list[str] = []  # that block's label and comment lines
 
     def settle() -> None:
         nonlocal current, label, notes
@@ -668,16 +823,20 @@ def read_amdgcn_loop(text: str) -> dict:
             enclosing[label] = set(re.findall(r"Parent Loop BB(\d+_\d+) Depth=\d+", notes))
         else:
             current = member.group(1) if member else None
+        if current is not None:
+            lines.setdefault(current, []).extend(heading)
         label, notes = None, ""
 
     for line in text.splitlines():
         block = re.match(r"^(?:\.LBB(\d+_\d+):|; %bb\.\d+:)(.*)", line)
         if block:
             label, notes, current = block.group(1) or "", block.group(2), None
+            heading = [line]
             continue
         if re.match(r"^\s*;", line):
             if label is not None:
                 notes += line
+                heading.append(line)
             continue
         if re.match(r"^\s*(\.|$)", line) or re.match(r"^[A-Za-z_.]\S*:", line):
             if re.match(r"^[A-Za-z_]\S*:", line):
@@ -686,6 +845,7 @@ def read_amdgcn_loop(text: str) -> dict:
         settle()
         if current is not None:
             blocks.setdefault(current, []).append(line.split()[0])
+            lines[current].append(line)
     if not blocks:
         return {"found": False}
 
@@ -693,7 +853,8 @@ def read_amdgcn_loop(text: str) -> dict:
         return sum(_amd_matrix_shape(op) is not None for op in ops)
 
     outer = {o for loop, ops in blocks.items() if mfmas(ops) for o in enclosing.get(loop, ())}
-    body = max((ops for loop, ops in blocks.items() if loop not in outer), key=mfmas)
+    header = max((loop for loop in blocks if loop not in outer), key=lambda h: mfmas(blocks[h]))
+    body = blocks[header]
     matrix: dict[str, int] = {}
     counts = dict.fromkeys(_AMD_COUNTED, 0)
     for op in body:
@@ -703,13 +864,65 @@ def read_amdgcn_loop(text: str) -> dict:
             if op.startswith(prefix):
                 counts[prefix] += 1
     direct_to_lds = len(re.findall(r"^\s*(?:buffer|global)_load\S*.*\blds\b", "\n".join(body)))
-    return {
+    loop = {
         "found": True,
         "instructions": len(body),
         "matrix": matrix,
         "counts": counts,
+        "shared": _shared_counts(body, "hip"),
         "direct_to_lds_loads": direct_to_lds,
     }
+    if excerpt:
+        loop["excerpt"] = "\n".join(lines[header])
+    return loop
+
+
+# ---- shared-memory accesses by width ---------------------------------------------------------
+
+#: sm90 SASS shared loads and stores: ``LDS``/``STS`` (``.U8``/``.S8``: a byte, ``.U16``/``.S16``
+#: 16 bits, ``.64``/``.128``, none: 32 bits a thread) and the matrix forms ``LDSM``/``STSM``
+#: (``.16.M88``/``.MT88`` with ``.2``/``.4``: one, two or four 8x8 matrices of 16-bit values,
+#: 32 bits a thread each, read as 16-byte rows).
+_SASS_SHARED = re.compile(r"^(LDS|STS|LDSM|STSM)(\.[A-Z0-9.]+)?$")
+#: AMD LDS accesses: ``ds_read_*``/``ds_write_*`` and their newer names ``ds_load_*``/
+#: ``ds_store_*``, the ``2``/``2st64`` forms doing two accesses, a type of ``b``/``u``/``i`` and
+#: its bits (gfx950's transposing reads ``ds_read_b64_tr_b16`` move 64 bits a lane).
+_AMD_SHARED = re.compile(
+    r"^ds_(read|write|load|store)(2st64|2)?_(?:addtid_)?[biu](\d+)(_tr\w*)?(_d16\w*)?$"
+)
+
+
+def _shared_counts(body: list[str], backend: str) -> dict[str, int]:
+    """The shared-memory loads and stores of a loop body, by full opcode."""
+    pattern = _SASS_SHARED if backend == "cuda" else _AMD_SHARED
+    counts: dict[str, int] = {}
+    for op in body:
+        if pattern.match(op):
+            counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def shared_access(op: str, backend: str) -> tuple[int, int]:
+    """``(bits one access moves per thread / lane, accesses the instruction makes)`` of a
+    shared-memory opcode (``_shared_counts``'s keys)."""
+    if backend == "cuda":
+        family, *tokens = op.split(".")
+        if family in ("LDSM", "STSM"):
+            matrices = 4 if "4" in tokens else 2 if "2" in tokens else 1
+            return 32 * matrices, 1
+        for names, bits in (
+            (("U8", "S8"), 8),
+            (("U16", "S16"), 16),
+            (("64",), 64),
+            (("128",), 128),
+        ):
+            if any(t in names for t in tokens):
+                return bits, 1
+        return 32, 1
+    match = _AMD_SHARED.match(op)
+    if match is None:
+        raise ValueError(f"kernel_static: {op!r} is not an LDS load or store")
+    return int(match.group(3)), 2 if match.group(2) else 1
 
 
 _TENSOR = re.compile(r"tensor<([0-9x]+)x[A-Za-z0-9!.<>]+?[,>]")
@@ -927,10 +1140,26 @@ def _matrix_work(info: dict, target: GpuTarget) -> dict:
     return {"issued_macs": macs, "issued_macs_by_kind": by_kind}
 
 
-def analyze(case: Case, target: GpuTarget, plans: list[dict], kernels: dict) -> dict:
-    """Per-batch figures and the gates for ``case`` on ``target``."""
+def analyze(case: Case, target: GpuTarget, plans: list[dict] | dict, kernels: dict) -> dict:
+    """Per-batch figures and the gates for ``case`` on ``target``; a plan that failed or was
+    refused (a dict), or a kernel that did not compile, fails the gate ``compiles`` (a refusal
+    by name, a ``ValueError`` of the planner, makes it not applicable) and stops there."""
     from rocm_mla.kernels.residency import resident_programs
 
+    if isinstance(plans, dict):
+        evidence = {"planning": plans["error"], "batch": plans["batch"]}
+        return {
+            "per_batch": [],
+            "gates": {"compiles": _gate(not plans["refused"], False, evidence)},
+        }
+    broken = {
+        k: kernels[k]["error"]
+        for plan in plans
+        for k in plan["keys"]
+        if kernels[k].get("error") is not None
+    }
+    if broken:
+        return {"per_batch": [], "gates": {"compiles": _gate(True, False, {"kernels": broken})}}
     per_batch = []
     for plan in plans:
         config = plan["config"]
@@ -996,9 +1225,41 @@ def analyze(case: Case, target: GpuTarget, plans: list[dict], kernels: dict) -> 
                 if ceiling
                 else None,
                 "kv": _kv_facts(info["ttgir"], config["block_n"]),
+                "shared": shared_facts(info["loop"], target.backend, info["num_warps"], tile_bytes),
             }
         )
     return {"per_batch": per_batch, "gates": gates(case, target, per_batch, kernels)}
+
+
+def shared_facts(loop: dict, backend: str, num_warps: int, kv_tile_bytes: int) -> dict:
+    """The KV loop's shared-memory accesses (``loop["shared"]``, by opcode) by width, the
+    narrow ones (8 and 16 bits a thread / lane), and the bytes they move per iteration over
+    the KV tile's bytes (``kv_tile_bytes``, what one iteration loads from HBM): loads and
+    stores the program issues, not the copies into shared memory (cp.async, TMA, buffer
+    loads to LDS) nor what the matrix instructions read from it."""
+    threads = num_warps * (32 if backend == "cuda" else 64)
+    by_width: dict[int, int] = {}
+    moved = 0
+    for op, count in loop.get("shared", {}).items():
+        bits, accesses = shared_access(op, backend)
+        by_width[bits] = by_width.get(bits, 0) + count * accesses
+        moved += count * accesses * bits // 8 * threads
+    return {
+        "by_opcode": loop.get("shared", {}),
+        "by_width_bits": dict(sorted(by_width.items())),
+        "byte_wide": by_width.get(8, 0),
+        "half_wide": by_width.get(16, 0),
+        "bytes_per_iteration": moved,
+        "kv_tile_bytes": kv_tile_bytes,
+        "shared_bytes_per_kv_byte": round(moved / kv_tile_bytes, 3),
+    }
+
+
+def wide_enough(shared: dict, backend: str) -> bool:
+    """The narrow-shared gate on a loop's ``shared_facts``: no access under
+    ``MIN_SHARED_ACCESS_BITS`` of the backend (widths are strings once in JSON)."""
+    narrowest = MIN_SHARED_ACCESS_BITS[backend]
+    return min((int(bits) for bits in shared["by_width_bits"]), default=narrowest) >= narrowest
 
 
 def _gate(applies: bool, passed: bool, evidence: dict) -> dict:
@@ -1017,13 +1278,14 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
         # SGPR spills go to VGPR lanes (v_writelane), not memory: reported, not gated.
         return info["vgpr_spill_count"] + info["scratch_bytes"]
 
+    result = {"compiles": _gate(True, True, {"kernels": used})}
     spill_evidence = {key: spills(kernels[key]) for key in used}
     evidence = {"spills_by_kernel": spill_evidence}
     if target.backend == "hip":
         evidence["sgpr_spills_to_vgpr_lanes"] = {
             key: kernels[key]["sgpr_spill_count"] for key in used
         }
-    result = {"no_spills": _gate(True, not any(spill_evidence.values()), evidence)}
+    result["no_spills"] = _gate(True, not any(spill_evidence.values()), evidence)
     ratios = {b["batch"]: b["issued_over_useful"] for b in per_batch}
     result["issued_over_useful"] = _gate(
         case.rows >= COMPUTE_BOUND_ROWS,
@@ -1151,6 +1413,20 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
             },
         },
     )
+    narrowest = MIN_SHARED_ACCESS_BITS[target.backend]
+    result["narrow_shared"] = _gate(
+        True,
+        all(
+            kernels[b["stage1"]]["loop"]["found"] and wide_enough(b["shared"], target.backend)
+            for b in per_batch
+        ),
+        {
+            "rule": f"no shared-memory load or store under {narrowest} bits a thread in the KV "
+            "loop (sm90: none of 8 or 16 bits; AMD: none of 8, those of 16 reported)",
+            "min_bits": narrowest,
+            "by_batch": {b["batch"]: b["shared"] for b in per_batch},
+        },
+    )
     result["guard_without_round_trip"] = _gate(
         True,
         not any(f["guard_round_trips"] for f in kv.values()),
@@ -1178,11 +1454,25 @@ def record_target(cases: tuple[Case, ...], target: GpuTarget) -> tuple[dict, dic
     """Every case's planned launches on ``target`` at each batch: ``(plans by (case,
     target), compile requests by key)``. The planner's residency compiles dominate; they are
     cached per process, and the cases of one target share most of them."""
-    plans: dict[tuple[str, str], list[dict]] = {}
+    plans: dict[tuple[str, str], list[dict] | dict] = {}
     requests: dict[str, dict] = {}
     for case in cases:
         for batch in BATCHES:
-            plan = record_case(case, target, batch)
+            # Planning compiles stage 1 (its residency): a Triton that cannot build the
+            # config, or a planner that refuses this Triton by name, ends the case here.
+            with compiler_stderr() as diagnostics:
+                try:
+                    plan = record_case(case, target, batch)
+                    failure = None
+                except Exception as error:  # reported as the case's "compiles" gate
+                    failure = error
+            if failure is not None:
+                plans[(case.name, target.key)] = {
+                    "batch": batch,
+                    "refused": isinstance(failure, ValueError),
+                    "error": describe_failure(failure, diagnostics),
+                }
+                break
             launches = plan.pop("launches")
             keys = []
             for launch in launches:
@@ -1209,15 +1499,40 @@ def record_target(cases: tuple[Case, ...], target: GpuTarget) -> tuple[dict, dic
     return plans, requests
 
 
-def run(cases: tuple[Case, ...], targets: list[GpuTarget], workers: int = 2) -> dict:
+def pooled(fn, requests: list[dict], pool=None) -> Iterator[dict]:
+    """``fn(request)`` for every compile request, in ``pool``'s processes (None: here), as
+    they finish. sm90 stage-1 builds take longest (ptxas): they start first, so no worker
+    idles at the end."""
+    ordered = sorted(requests, key=lambda r: (r["target"] != "sm90", r["kernel"]))
+    if pool is None:
+        yield from (fn(request) for request in ordered)
+        return
+    futures = [pool.submit(fn, request) for request in ordered]
+    yield from (future.result() for future in concurrent.futures.as_completed(futures))
+
+
+def spawn_pool(workers: int):
+    """A pool of ``workers`` compile processes, or None for one (compile here). Spawned, not
+    forked: the parent holds torch and Triton state a fork would copy."""
+    if workers <= 1:
+        return None
+    context = multiprocessing.get_context("spawn")
+    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+
+
+def run(
+    cases: tuple[Case, ...],
+    targets: list[GpuTarget],
+    workers: int = 2,
+    loops_dir: Path | None = None,
+) -> dict:
+    """Record, compile and gate ``cases`` on ``targets``; with ``loops_dir``, write there the
+    KV loop of each case's stage 1 at B 32 on each target (``write_loop_excerpts``)."""
     start = time.perf_counter()
     plans: dict[tuple[str, str], list[dict]] = {}
     requests: dict[str, dict] = {}
-    pool = None
-    if workers > 1:
-        # spawn, not fork: the parent holds torch and Triton state a fork would copy.
-        context = multiprocessing.get_context("spawn")
-        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+    pool = spawn_pool(workers)
+    if pool is not None:
         # One target per worker: each plans its cases (with its own residency cache).
         recorded = [f.result() for f in [pool.submit(record_target, cases, t) for t in targets]]
     else:
@@ -1227,17 +1542,15 @@ def run(cases: tuple[Case, ...], targets: list[GpuTarget], workers: int = 2) -> 
         for key, request in target_requests.items():
             requests.setdefault(key, request)
     record_s = time.perf_counter() - start
+    if loops_dir is not None:
+        for plan in plans.values():
+            for b in plan if isinstance(plan, list) else []:
+                if b["batch"] == 32:
+                    requests[b["stage1"]]["excerpt"] = True
     kernels: dict[str, dict] = {}
-    # sm90 stage-1 builds take longest (ptxas): start them first so no worker idles at the end.
-    ordered = sorted(requests.values(), key=lambda r: (r["target"] != "sm90", r["kernel"]))
-    if pool is None:
-        done = (compile_and_read(request) for request in ordered)
-    else:
-        futures = [pool.submit(compile_and_read, request) for request in ordered]
-        done = (future.result() for future in concurrent.futures.as_completed(futures))
-    for i, info in enumerate(done):
+    for i, info in enumerate(pooled(compile_or_fail, list(requests.values()), pool)):
         kernels[info["key"]] = info
-        common.progress(i, len(ordered), info["key"])
+        common.progress(i, len(requests), info["key"])
     if pool is not None:
         pool.shutdown()
     compile_s = time.perf_counter() - start - record_s
@@ -1248,9 +1561,12 @@ def run(cases: tuple[Case, ...], targets: list[GpuTarget], workers: int = 2) -> 
             results.append(
                 {"case": asdict(case) | {"name": case.name}, "target": target.key, **entry}
             )
+    if loops_dir is not None:
+        write_loop_excerpts(loops_dir, plans, kernels)
     for info in kernels.values():
-        info["ttgir"].pop("loop_ops", None)
-        info["ttgir"].pop("other_loop_ops", None)
+        info.get("loop", {}).pop("excerpt", None)
+        info.get("ttgir", {}).pop("loop_ops", None)
+        info.get("ttgir", {}).pop("other_loop_ops", None)
     failed = {
         gate for r in results for gate, verdict in r["gates"].items() if verdict["pass"] is False
     }
@@ -1267,6 +1583,7 @@ def run(cases: tuple[Case, ...], targets: list[GpuTarget], workers: int = 2) -> 
             "min_wave_fill": MIN_WAVE_FILL,
             "min_gated_batch": MIN_GATED_BATCH,
             "max_tile_loads_h128": MAX_TILE_LOADS_H128,
+            "min_shared_access_bits": MIN_SHARED_ACCESS_BITS,
         },
         "wall_s": {
             "record_and_specialize": round(record_s, 1),
@@ -1281,6 +1598,48 @@ def run(cases: tuple[Case, ...], targets: list[GpuTarget], workers: int = 2) -> 
     }
 
 
+def _source_commit() -> str:
+    """The commit of the kernels compiled (``-dirty`` with uncommitted kernel changes)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short=7", "HEAD") or "unknown"
+    return commit + ("-dirty" if git("status", "--porcelain", "rocm_mla/kernels") else "")
+
+
+def write_loop_excerpts(folder: Path, plans: dict, kernels: dict) -> list[Path]:
+    """Each case's stage-1 KV loop at B 32 on each target, as the readers find it
+    (``read_sass_loop`` / ``read_amdgcn_loop`` read it back to the same counts), in
+    ``<target>-<case>.txt`` under ``folder`` with a header saying what was compiled, by which
+    Triton, and the command."""
+    import triton
+
+    folder.mkdir(parents=True, exist_ok=True)
+    command = "python -m benchmarks.kernel_static " + shlex.join(sys.argv[1:])
+    written = []
+    for (case_name, target_key), plan in plans.items():
+        b = next((b for b in plan if b["batch"] == 32), None) if isinstance(plan, list) else None
+        info = kernels[b["stage1"]] if b is not None else {}
+        if "excerpt" not in info.get("loop", {}):
+            continue
+        c = b["config"]
+        kind = "SASS" if TARGETS[target_key].backend == "cuda" else "amdgcn"
+        path = folder / f"{target_key}-{re.sub(r'[^A-Za-z0-9]+', '-', case_name).strip('-')}.txt"
+        path.write_text(
+            f"# {target_key} {kind}: the KV loop of _mla_decode_stage1, {case_name} at B 32 "
+            f"({c['block_h']}x{c['block_n']}, {c['num_warps']} warps, {c['num_stages']} "
+            f"stages), Triton {triton.__version__}\n"
+            f"# kernels at {_source_commit()}; written by: {command}\n"
+            + info["loop"]["excerpt"]
+            + "\n"
+        )
+        written.append(path)
+    return written
+
+
 def failures(payload: dict) -> list[str]:
     """``case / target: gate`` for every failed gate."""
     return [
@@ -1291,8 +1650,24 @@ def failures(payload: dict) -> list[str]:
     ]
 
 
+def _gate_names(results: list[dict]) -> list[str]:
+    """The gates in their order: a case that did not compile has only ``compiles``."""
+    return list(dict.fromkeys(name for r in results for name in r["gates"]))
+
+
+def _first_line(text: str) -> str:
+    """A failure's one line for a table: the MLIR pass that failed, else MLIR's first error,
+    else the exception's last line."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    passes = re.findall(r"Pipeline failed while executing \[`(\w+)`", text)
+    errors = [line.split("error: ", 1)[1] for line in lines if "error: " in line]
+    if passes:
+        return f"MLIR pass {passes[0]} fails"
+    return (errors or lines[-1:] or ["?"])[0].strip().replace("|", "/")[:140]
+
+
 def markdown(payload: dict) -> str:
-    gate_names = list(payload["results"][0]["gates"]) if payload["results"] else []
+    gate_names = _gate_names(payload["results"])
     short = {
         "no_spills": "spill",
         "issued_over_useful": "iss/use",
@@ -1302,25 +1677,51 @@ def markdown(payload: dict) -> str:
         "planner_uses_compiled_residency": "plan-res",
         "kv_tile_loads_h128": "loads",
         "guard_without_round_trip": "guard-rt",
+        "narrow_shared": "narrow",
     }
     lines = [
-        f"# Compile-level gate (issue 20), Triton {payload['environment']['triton']}, "
+        f"# Compile-level gate (issues 20, 37), Triton {payload['environment']['triton']}, "
         f"{payload['environment']['date']}",
         "",
         f"Context {payload['context']}, page {payload['page_size']}; figures at B 32 unless "
         f"noted; slot fill (mean / busiest slot's cost in the schedule, the grid being one "
-        f"wave of slots) at B {'/'.join(map(str, payload['batches']))}. Wall time "
-        f"{payload['wall_s']['total']} s, {payload['distinct_compiles']} distinct compiles. "
-        "Gates: P pass, F fail, - not applicable.",
+        f"wave of slots) at B {'/'.join(map(str, payload['batches']))}. smem 8/16-bit: the KV "
+        "loop's shared-memory loads and stores of 8 and of 16 bits a thread, per iteration; "
+        "B per KV B: the bytes all its shared loads and stores move per byte of the KV tile. "
+        f"Wall time {payload['wall_s']['total']} s, {payload['distinct_compiles']} distinct "
+        "compiles. Gates: P pass, F fail, - not applicable.",
         "",
         "| case | target | config (H x N, T: keys as M; warps/stages, slots) | "
         "regs(+agprs) / spill | smem KB | "
         "loop matrix ops | iss/use | KV bufs, async | res/unit | fill B8/32/128 | loads | "
-        "ceil % HBM | " + " | ".join(short.get(g, g) for g in gate_names) + " |",
-        "|" + "---|" * (12 + len(gate_names)),
+        "ceil % HBM | smem 8/16-bit, B per KV B | "
+        + " | ".join(short.get(g, g) for g in gate_names)
+        + " |",
+        "|" + "---|" * (13 + len(gate_names)),
     ]
     kernels = payload["kernels"]
     for r in payload["results"]:
+        verdicts = [
+            "-" if v is None or v["pass"] is None else "P" if v["pass"] else "**F**"
+            for v in (r["gates"].get(g) for g in gate_names)
+        ]
+        if not r["per_batch"]:
+            evidence = r["gates"]["compiles"]["evidence"]
+            if "planning" in evidence:
+                refused = not r["gates"]["compiles"]["applies"]
+                what = f"{'refused' if refused else 'planning fails'}: "
+                what += _first_line(evidence["planning"])
+            else:
+                kernel, error = next(iter(evidence["kernels"].items()))
+                what = f"{kernels[kernel]['kernel']} does not compile: {_first_line(error)}"
+            lines.append(
+                f"| {r['case']['name']} | {r['target']} | {what} |"
+                + " - |" * 10
+                + " "
+                + " | ".join(verdicts)
+                + " |"
+            )
+            continue
         by_batch = {b["batch"]: b for b in r["per_batch"]}
         b = by_batch.get(32, r["per_batch"][0])
         info = kernels[b["stage1"]]
@@ -1340,9 +1741,6 @@ def markdown(payload: dict) -> str:
             regs += f" (planner/merge spill {max(other_spills.values())})"
         ops = ", ".join(f"{op} x{n}" for op, n in info["loop"].get("matrix", {}).items()) or "none"
         waves = "/".join(str(by_batch[x]["slot_fill"]) for x in payload["batches"] if x in by_batch)
-        verdicts = [
-            "-" if v["pass"] is None else "P" if v["pass"] else "**F**" for v in r["gates"].values()
-        ]
         lines.append(
             f"| {r['case']['name']} | {r['target']} | {c['block_h']}x{c['block_n']}"
             f"{'T' if c.get('keys_as_m') else ''}, "
@@ -1351,8 +1749,8 @@ def markdown(payload: dict) -> str:
             f"{b['kv']['kv_buffers']}, {b['kv']['async_copies_in_loop']} | "
             f"{b['resident_per_unit']} | "
             f"{waves} | {b['kv_tile_loads_per_request']} | {b['tensor_issue_ceiling_pct_hbm']} | "
-            + " | ".join(verdicts)
-            + " |"
+            f"{b['shared']['byte_wide']}/{b['shared']['half_wide']}, "
+            f"{b['shared']['shared_bytes_per_kv_byte']} | " + " | ".join(verdicts) + " |"
         )
     lines += ["", f"All gates pass: {payload['all_gates_pass']}."]
     if payload["failed_gates"]:
@@ -1368,18 +1766,26 @@ def plot(payload: dict, path: Path) -> None:
 
     results = payload["results"]
     targets = list(payload["targets"])
-    gate_names = list(results[0]["gates"])
+    gate_names = _gate_names(results)
     cases = list(dict.fromkeys(r["case"]["name"] for r in results))
     grid = [[0.5] * (len(targets) * len(gate_names)) for _ in cases]
     ceilings = {t: [0.0] * len(cases) for t in targets}
     for r in results:
         row, t = cases.index(r["case"]["name"]), targets.index(r["target"])
-        for g, verdict in enumerate(r["gates"].values()):
+        for g, name in enumerate(gate_names):
+            verdict = r["gates"].get(name)
             grid[row][t * len(gate_names) + g] = (
-                0.5 if verdict["pass"] is None else 1.0 if verdict["pass"] else 0.0
+                0.5
+                if verdict is None or verdict["pass"] is None
+                else 1.0
+                if verdict["pass"]
+                else 0.0
             )
-        b = next((b for b in r["per_batch"] if b["batch"] == 32), r["per_batch"][0])
-        ceilings[r["target"]][row] = b["tensor_issue_ceiling_pct_hbm"] or 0.0
+        b = next((b for b in r["per_batch"] if b["batch"] == 32), None) or next(
+            iter(r["per_batch"]), None
+        )
+        if b is not None:
+            ceilings[r["target"]][row] = b["tensor_issue_ceiling_pct_hbm"] or 0.0
     fig, (ax1, ax2) = plt.subplots(
         1, 2, figsize=(18, 0.28 * len(cases) + 3), gridspec_kw={"width_ratios": [3, 2]}
     )
@@ -1410,21 +1816,116 @@ def plot(payload: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def triton_folder(spec: str) -> Path:
+    """The folder of an unpacked Triton wheel (``pip install --no-deps --target DIR
+    triton==VERSION``) for ``--triton``: ``spec`` itself when it is one, else for a version
+    ``$ROCM_MLA_TRITONS/<version>`` or ``make compile-check``'s cache,
+    ``~/.cache/rocm-mla/triton-<version>``."""
+    given = Path(spec).expanduser()
+    if (given / "triton" / "__init__.py").is_file():
+        return given.resolve()
+    if not re.fullmatch(r"\d+\.\d+\.\d+\S*", spec):
+        raise SystemExit(
+            f"--triton: expected a version (3.8.0) or a folder with triton/ in it, got {spec!r}"
+        )
+    cache = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "rocm-mla"
+    folders = (
+        [Path(os.environ["ROCM_MLA_TRITONS"]) / spec] if "ROCM_MLA_TRITONS" in os.environ else []
+    )
+    folders.append(cache / f"triton-{spec}")
+    for folder in folders:
+        if (folder / "triton" / "__init__.py").is_file():
+            return folder.resolve()
+    raise SystemExit(
+        f"--triton {spec}: no Triton in {', '.join(map(str, folders))}; install it with "
+        f"`pip install --no-deps --target {folders[-1]} triton=={spec}` (or `make "
+        f"compile-check TRITON={spec}`), or pass that folder"
+    )
+
+
+def use_triton(folder: Path, argv: list[str], version: str | None) -> None:
+    """Run this command again with the Triton in ``folder`` first on ``PYTHONPATH`` (its
+    compile workers inherit it), unless that is the Triton this process imports already."""
+    import importlib.util
+
+    found = importlib.util.find_spec("triton")
+    if found is None or not Path(found.origin).resolve().is_relative_to(folder):
+        root = Path(__file__).resolve().parents[1]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(folder), str(root), env.get("PYTHONPATH", "")) if p
+        )
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.kernel_static", *argv], env)
+    import triton
+
+    if version is not None and triton.__version__ != version:
+        raise SystemExit(f"--triton {version}: {folder} holds Triton {triton.__version__}")
+
+
+def hip_linker() -> str | None:
+    """An ``ld.lld`` for Triton 3.4, which links AMD code with ROCm's linker
+    (``TRITON_HIP_LLD_PATH``, else /opt/rocm/llvm/bin or /usr/bin): the one on ``PATH``, else
+    the newest LLVM's (``apt-get install lld``, LLVM 17 or newer for gfx942). 3.5 on bring
+    their own."""
+    import glob
+    import shutil
+
+    found = shutil.which("ld.lld")
+    if found:
+        return found
+
+    def llvm_version(path: str) -> int:
+        return int(re.search(r"llvm-(\d+)", path).group(1))
+
+    candidates = sorted(glob.glob("/usr/lib/llvm-*/bin/ld.lld"), key=llvm_version)
+    return candidates[-1] if candidates else None
+
+
+def use_hip_linker() -> None:
+    """``TRITON_HIP_LLD_PATH`` set to ``hip_linker()`` unless it is set or there is none (the
+    compile processes started after this inherit it)."""
+    found = hip_linker()
+    if "TRITON_HIP_LLD_PATH" not in os.environ and found is not None:
+        os.environ["TRITON_HIP_LLD_PATH"] = found
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.kernel_static", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--cases", choices=("all", "reduced"), default="all")
     parser.add_argument(
+        "--case",
+        action="append",
+        metavar="NAME",
+        help="only this case (repeatable; e.g. 'H128 Sq1 fp8'), instead of --cases",
+    )
+    parser.add_argument(
         "--targets",
         default=",".join(TARGETS),
         help=f"comma-separated subset of {','.join(TARGETS)}",
     )
+    parser.add_argument(
+        "--triton",
+        metavar="VERSION|DIR",
+        help="compile with this Triton: a folder holding an unpacked wheel, or a version found "
+        "in $ROCM_MLA_TRITONS/<version> or ~/.cache/rocm-mla/triton-<version>",
+    )
     parser.add_argument("--workers", type=int, default=2, help="compile processes")
     parser.add_argument("--out", type=Path, help="results folder (default: benchmarks/results)")
     parser.add_argument(
+        "--loops", type=Path, metavar="DIR", help="also write each stage-1 KV loop (B 32) there"
+    )
+    parser.add_argument(
+        "--fail-on",
+        metavar="GATES",
+        help="exit with status 1 when one of these gates (comma-separated, or 'all') fails in "
+        "some case, e.g. 'compiles' (make compile-check)",
+    )
+    parser.add_argument(
         "--render", type=Path, help="only rewrite the .md and .png of this JSON (no compiling)"
     )
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.render is not None:
         payload = json.loads(args.render.read_text())
@@ -1437,13 +1938,39 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error(f"--targets: expected a subset of {','.join(TARGETS)}, got {args.targets!r}")
     if args.workers < 1:
         parser.error(f"--workers: expected >= 1, got {args.workers}")
-    cases = CASES if args.cases == "all" else REDUCED_CASES
-    payload = run(cases, [TARGETS[t] for t in names], workers=args.workers)
-    path = common.write_results("kernel-static", payload, args.out)
+    if args.case:
+        by_name = {c.name: c for c in CASES}
+        missing = [name for name in args.case if name not in by_name]
+        if missing:
+            parser.error(f"--case: unknown {missing}; the cases are {sorted(by_name)}")
+        cases = tuple(by_name[name] for name in args.case)
+    else:
+        cases = CASES if args.cases == "all" else REDUCED_CASES
+    if args.triton is not None:
+        is_version = re.fullmatch(r"\d+\.\d+\.\d+\S*", args.triton) is not None
+        use_triton(triton_folder(args.triton), argv, args.triton if is_version else None)
+    use_hip_linker()
+    import triton
+
+    payload = run(cases, [TARGETS[t] for t in names], workers=args.workers, loops_dir=args.loops)
+    # Named by the Triton and, unless every case ran, the selection.
+    selection = "-cases" if args.case else "-reduced" if args.cases == "reduced" else ""
+    stem = f"kernel-static{selection}-triton-{triton.__version__}"
+    path = common.write_results(stem, payload, args.out)
     path.with_suffix(".md").write_text(markdown(payload))
     plot(payload, path.with_suffix(".png"))
     print(markdown(payload))
     print(f"wrote {path} (+ .md, .png) in {payload['wall_s']['total']} s")
+    if args.fail_on:
+        watched = set(args.fail_on.split(","))
+        failed = [
+            line
+            for line in failures(payload)
+            if "all" in watched or line.rsplit(": ", 1)[1] in watched
+        ]
+        if failed:
+            print(f"gates failed ({args.fail_on}):\n" + "\n".join(failed), file=sys.stderr)
+            raise SystemExit(1)
     return path
 
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -17,6 +14,7 @@ import triton.language as tl
 
 from benchmarks import kernel_static as ks
 from rocm_mla.kernels.residency import RESIDENCY_TARGETS, resident_programs
+from tests.compile_helpers import run_compiler
 
 
 class TestResidencySm90:
@@ -331,13 +329,6 @@ class TestReaders:
 
 # ---- the static tool: compiling for real (slow, subprocesses without the interpreter) ------
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _compiler_env() -> dict:
-    # The tool compiles for GPUs; the test session's interpreter setting must not reach it.
-    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-
 
 @triton.jit
 def _probe_mla_loop(q_ptr, kv_ptr, out_ptr, num_keys, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -395,26 +386,13 @@ def probe_gates() -> dict:
     return results
 
 
-def _run(code: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=_compiler_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
-
-
 @pytest.mark.slow
 def test_gates_fail_on_a_spilling_and_a_replicating_kernel() -> None:
     code = (
         "import json; from tests.test_kernel_static import probe_gates; "
         "print(json.dumps(probe_gates()))"
     )
-    gates = json.loads(_run(code).strip().splitlines()[-1])
+    gates = json.loads(run_compiler(code).strip().splitlines()[-1])
     assert gates["sm90"]["no_spills"]["pass"] is False, gates["sm90"]["no_spills"]
     spills = gates["sm90"]["no_spills"]["evidence"]["spills_by_kernel"]
     assert all(v > 0 for v in spills.values())
@@ -427,7 +405,7 @@ def test_gates_fail_on_a_spilling_and_a_replicating_kernel() -> None:
 def test_reduced_case_list_meets_every_gate(tmp_path: Path) -> None:
     """Issue 20's acceptance on a few cases and all three targets: every gate met."""
     start = time.perf_counter()
-    _run(
+    run_compiler(
         "from benchmarks.kernel_static import main; main(['--cases', 'reduced', "
         f"'--targets', 'sm90,gfx942,gfx950', '--out', {str(tmp_path)!r}])"
     )
@@ -478,7 +456,7 @@ class TestScheduleGates:
             "vgpr_spill_count": 0,
             "scratch_bytes": 0,
             "sgpr_spill_count": 0,
-            "loop": {"matrix": {"v_mfma_f32_16x16x16_bf16": 8}},
+            "loop": {"found": True, "matrix": {"v_mfma_f32_16x16x16_bf16": 8}},
         }
         planner = dict(kernel, vgpr_spill_count=batch_overrides.pop("planner_spills", 0))
         kv = {
@@ -510,6 +488,7 @@ class TestScheduleGates:
             "replication": 1.0,
             "row_padding": 1.0,
             "kv": kv,
+            "shared": {"by_width_bits": {"16": 128, "64": 32, "128": 2}},
         } | batch_overrides
         case = ks.Case("H128 Sq1 bf16", 128, 1, "bf16")
         return ks.gates(case, target, [batch], {"s1": kernel, "plan": planner})
@@ -530,6 +509,101 @@ class TestScheduleGates:
             self._gates(plan_slots_per_cu=2.0)["planner_uses_compiled_residency"]["pass"] is False
         )
         assert self._gates(kv_tile_loads_per_request=3.0)["kv_tile_loads_h128"]["pass"] is False
+        # A byte-wide shared access in the KV loop fails the narrow-shared gate on AMD; 16
+        # bits (bf16's ds_read_u16) do not.
+        assert good["narrow_shared"]["pass"] is True
+        byte_wide = {"by_width_bits": {"8": 256, "64": 16}}
+        assert self._gates(shared=byte_wide)["narrow_shared"]["pass"] is False
+        # A case whose kernels compiled passes "compiles".
+        assert good["compiles"]["pass"] is True
         # The planner kernel is under the spill gate too.
         spilled = self._gates(planner_spills=4)["no_spills"]
         assert spilled["pass"] is False and spilled["evidence"]["spills_by_kernel"]["plan"] == 4
+
+
+# ---- cases that do not compile, and other Triton versions (fast) -----------------------------
+
+
+class CompilationError(Exception):
+    """Named as Triton's, which ``describe_failure`` finds by name."""
+
+
+class TestFailures:
+    CASE = ks.Case("H16 Sq1 fp8", 16, 1, "fp8")
+
+    def test_a_plan_that_fails_or_is_refused(self) -> None:
+        target = ks.TARGETS["sm90"]
+        failed = {"batch": 8, "refused": False, "error": "RuntimeError: PassManager::run failed"}
+        gates = ks.analyze(self.CASE, target, failed, {})["gates"]
+        assert list(gates) == ["compiles"] and gates["compiles"]["pass"] is False
+        refused = dict(failed, refused=True, error="ValueError: Triton 3.4.0 is below 3.5.1")
+        gates = ks.analyze(self.CASE, target, refused, {})["gates"]
+        assert gates["compiles"]["pass"] is None and not gates["compiles"]["applies"]
+
+    def test_a_kernel_that_does_not_compile_fails_its_cases(self) -> None:
+        kernels = {
+            "s1": {"kernel": "_mla_decode_stage1", "error": "RuntimeError: x\nk.py:1: error: bad"},
+            "plan": {"kernel": "_plan_schedule_kernel", "loop": {"found": False}},
+        }
+        plans = [{"batch": 8, "keys": ["plan", "s1"], "stage1": "s1"}]
+        result = ks.analyze(self.CASE, ks.TARGETS["gfx942"], plans, kernels)
+        assert result["per_batch"] == []
+        assert result["gates"]["compiles"]["pass"] is False
+        assert result["gates"]["compiles"]["evidence"]["kernels"] == {"s1": kernels["s1"]["error"]}
+        payload = {
+            "environment": {"triton": "3.6.0", "date": "2026-12-04"},
+            "context": 32768,
+            "page_size": 64,
+            "batches": [8],
+            "wall_s": {"total": 1.0},
+            "distinct_compiles": 2,
+            "all_gates_pass": False,
+            "failed_gates": ["compiles"],
+            "kernels": kernels,
+            "results": [
+                {"case": {"name": self.CASE.name}, "target": "gfx942", **result},
+                {
+                    "case": {"name": "H128 Sq1 fp8"},
+                    "target": "sm90",
+                    **ks.analyze(
+                        self.CASE,
+                        ks.TARGETS["sm90"],
+                        {"batch": 8, "refused": True, "error": "ValueError: below the floor"},
+                        {},
+                    ),
+                },
+            ],
+        }
+        text = ks.markdown(payload)
+        assert "| _mla_decode_stage1 does not compile: bad |" in text
+        assert "| refused: ValueError: below the floor |" in text
+
+    def test_describe_failure_names_the_innermost_error_and_mlir_errors(self) -> None:
+        try:
+            try:
+                try:
+                    raise AttributeError("'int' object has no attribute 'to'")
+                except AttributeError as root:
+                    raise CompilationError("at 3:4:\n    x = n.to(tl.int64)\n        ^") from root
+            except CompilationError as inner:
+                raise CompilationError("at 9:8:\n    f(n)") from inner
+        except CompilationError as outer:
+            text = ks.describe_failure(outer, ["k.py:1:0: error: failed to legalize"])
+        assert text.startswith("CompilationError: at 3:4:") and "f(n)" not in text
+        assert "AttributeError: 'int' object has no attribute 'to'" in text
+        assert text.endswith("error: failed to legalize")
+
+
+class TestTritonFolders:
+    def test_a_version_or_a_folder(self, tmp_path: Path, monkeypatch) -> None:
+        wheel = tmp_path / "3.9.9"
+        (wheel / "triton").mkdir(parents=True)
+        (wheel / "triton" / "__init__.py").write_text("")
+        monkeypatch.setenv("ROCM_MLA_TRITONS", str(tmp_path))
+        assert ks.triton_folder("3.9.9") == wheel.resolve()
+        assert ks.triton_folder(str(wheel)) == wheel.resolve()
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        with pytest.raises(SystemExit, match=r"pip install --no-deps --target .*triton==3\.1\.0"):
+            ks.triton_folder("3.1.0")
+        with pytest.raises(SystemExit, match="expected a version"):
+            ks.triton_folder("latest")

@@ -481,7 +481,7 @@ def _decode_segment(
     # max_blocks, and its block id in [0, num_blocks). A row that may see a key past the
     # table is poisoned up front; the walk stops at the table's end. int64 scalars: a
     # length near 2^31 - 1 rounded up to whole tiles would wrap in int32.
-    capacity = max_blocks.to(tl.int64) * PAGE_SIZE
+    capacity = tl.cast(max_blocks, tl.int64) * PAGE_SIZE
     beyond_table = visible.to(tl.int64) > capacity
     # The segment's slice stops at the furthest key any row of this group may see.
     end = tl.minimum(

@@ -398,7 +398,7 @@ def _plan_schedule_kernel(
     BLOCK_B: tl.constexpr,
 ):
     """One program: ``host_schedule``'s integer steps on the device (module docstring)."""
-    capacity_keys = capacity_keys.to(tl.int64)
+    capacity_keys = tl.cast(capacity_keys, tl.int64)
     total = tl.zeros([BLOCK_B], tl.int64)
     for b0 in range(0, batch, BLOCK_B):
         offs = b0 + tl.arange(0, BLOCK_B)
@@ -408,7 +408,7 @@ def _plan_schedule_kernel(
     total = tl.sum(total, axis=0) * num_groups
     units = batch * num_groups
     low = OVERHEAD + PIECE * tl.maximum((total + num_slots - 1) // num_slots, 1)
-    high = tl.maximum(low, OVERHEAD * units.to(tl.int64) + PIECE * total)
+    high = tl.maximum(low, OVERHEAD * tl.cast(units, tl.int64) + PIECE * total)
     lanes = tl.arange(0, LANES).to(tl.int64)
     chosen = high
     done = low < 0  # False, as a scalar the loop carries
