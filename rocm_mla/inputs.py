@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from rocm_mla.platform import resolve_device, same_device
+
 #: ``ROCM_MLA_DEBUG=1``: planned calls repeat the value checks and every call checks that the
 #: inputs a row can see are finite (naming the first non-finite one). Off by default: both
 #: read tensors back to the host.
@@ -81,7 +83,9 @@ class DecodeSpec:
     """What backend selection needs to know about a decode call: shapes and types, no values.
 
     Built from a ``DecodeProblem`` (``problem.spec``) or by ``plan_decode`` before any tensor
-    of the step exists.
+    of the step exists. ``device`` is stored resolved (``platform.resolve_device``: ``"cuda"``
+    becomes ``cuda:<current>``), as torch would place the step's tensors, so a plan made for
+    ``"cuda"`` matches tensors on the GPU that was current when it was made.
     """
 
     device: torch.device
@@ -95,6 +99,9 @@ class DecodeSpec:
     block_size: int | None = None  #: None: not known yet (checked at the call)
     #: whether the paged cache has a page-size-1 view without a copy (None: not known yet)
     kv_pages_even: bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", resolve_device(self.device))
 
 
 @dataclass(frozen=True)
@@ -303,11 +310,13 @@ def check_decode_args(
         raise _fail("cache_seqlens", f"1-D [{batch}]", _describe(cache_seqlens))
     if cache_seqlens.dtype != torch.int32:
         raise _fail("cache_seqlens", "int32", cache_seqlens.dtype)
-    for name, t in (("kv_cache", kv_cache), ("block_table", block_table)):
-        if t.device != q.device:
+    for name, t in (
+        ("kv_cache", kv_cache),
+        ("block_table", block_table),
+        ("cache_seqlens", cache_seqlens),
+    ):
+        if not same_device(t.device, q.device):
             raise _fail(name, f"on q's device {q.device}", t.device)
-    if cache_seqlens.device != q.device:
-        raise _fail("cache_seqlens", f"on q's device {q.device}", cache_seqlens.device)
 
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
@@ -351,7 +360,7 @@ def check_decode_args(
             raise _fail("fault_flag", "an int32 tensor [1] or None", type(fault_flag).__name__)
         if fault_flag.dtype != torch.int32 or tuple(fault_flag.shape) != (1,):
             raise _fail("fault_flag", "an int32 tensor of shape [1]", _describe(fault_flag))
-        if fault_flag.device != q.device:
+        if not same_device(fault_flag.device, q.device):
             raise _fail("fault_flag", f"on q's device {q.device}", fault_flag.device)
 
     return DecodeProblem(

@@ -24,6 +24,7 @@ from rocm_mla.inputs import (
     debug_checks_enabled,
     prepare_decode,
 )
+from rocm_mla.platform import same_device
 
 
 @dataclass(frozen=True)
@@ -296,10 +297,7 @@ def check_plan_matches(plan: DecodePlan, problem: DecodeProblem, backend: str) -
         )
         if want != have
     ]
-    if spec.device.type != got.device.type or (
-        None not in (spec.device.index, got.device.index)
-        and (spec.device.index != got.device.index)
-    ):
+    if not same_device(spec.device, got.device):
         mismatches.append(f"device: plan {spec.device}, call {got.device}")
     if spec.block_size is not None and spec.block_size != got.block_size:
         mismatches.append(f"block_size: plan {spec.block_size}, call {got.block_size}")
