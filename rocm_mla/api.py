@@ -173,14 +173,11 @@ def plan_decode(
             )
         low, high, total = 0, graph_max_seqlen, batch * graph_max_seqlen
     else:
-        check_seqlens_and_blocks(
+        low, high, total = check_seqlens_and_blocks(
             lens,
             block_table,
             block_size=None if kv_cache is None else kv_cache.shape[1],
             num_blocks=None if kv_cache is None else kv_cache.shape[0],
-        )
-        low, high, total = (
-            int(v) for v in torch.stack([lens.min(), lens.max(), lens.sum()]).tolist()
         )
     capacity = (
         None
@@ -209,6 +206,7 @@ def plan_decode(
         bounds_only=graph_max_seqlen is not None,
         lengths=lens,
         capacity_keys=capacity,
+        cache_bytes=None if kv_cache is None else kv_cache.numel() * kv_cache.element_size(),
     )
 
 
