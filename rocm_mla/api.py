@@ -44,6 +44,7 @@ from rocm_mla.inputs import (
     raise_on_fault,
 )
 from rocm_mla.merge import check_merge_args, torch_merge_states
+from rocm_mla.platform import resolve_device, same_device
 
 __all__ = [
     "FAULT_BEYOND_PLAN",
@@ -94,8 +95,10 @@ def plan_decode(
         kv_dtype: the cache's dtype (fp8 e4m3fn/e4m3fnuz included).
         q_dtype: q's dtype; None means ``kv_dtype`` for a 16/32-bit cache, bfloat16 for fp8.
         causal: as ``mla_decode``.
-        device: where q and the cache live; None: ``cache_seqlens``' device for a tensor,
-            else the current GPU when there is one, else the CPU.
+        device: where q and the cache live (``"cuda"``: the current GPU, stored resolved in
+            ``plan.spec.device``); None: ``cache_seqlens``' device for a tensor, else
+            ``kv_cache``'s, else the current GPU when there is one, else the CPU. A
+            ``cache_seqlens`` tensor on a GPU, ``block_table`` and ``kv_cache`` must be on it.
         block_table, kv_cache: optional; when given, the value checks of ``mla_decode`` run
             here once (lengths within the table's capacity, used block ids in range).
         graph_max_seqlen: plan for *any* lengths up to this bound instead of the values of
@@ -145,8 +148,19 @@ def plan_decode(
         elif kv_cache is not None:
             device = kv_cache.device
         else:
-            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
+    # Host lengths may plan for any device; device lengths, a block table and a cache are read
+    # (or scheduled from) where they are, which must be the plan's device.
+    placed = [("block_table", block_table), ("kv_cache", kv_cache)]
+    if lens_device is not None and lens_device.type != "cpu":
+        placed.append(("cache_seqlens", lens))
+    for name, t in placed:
+        if t is not None and not same_device(t.device, device):
+            raise ValueError(
+                f"plan_decode: {name} must be on the plan's device {device}, got a tensor "
+                f"on {t.device}"
+            )
 
     if graph_max_seqlen is not None:
         if (
@@ -159,14 +173,11 @@ def plan_decode(
             )
         low, high, total = 0, graph_max_seqlen, batch * graph_max_seqlen
     else:
-        check_seqlens_and_blocks(
+        low, high, total = check_seqlens_and_blocks(
             lens,
             block_table,
             block_size=None if kv_cache is None else kv_cache.shape[1],
             num_blocks=None if kv_cache is None else kv_cache.shape[0],
-        )
-        low, high, total = (
-            int(v) for v in torch.stack([lens.min(), lens.max(), lens.sum()]).tolist()
         )
     capacity = (
         None
@@ -195,6 +206,7 @@ def plan_decode(
         bounds_only=graph_max_seqlen is not None,
         lengths=lens,
         capacity_keys=capacity,
+        cache_bytes=None if kv_cache is None else kv_cache.numel() * kv_cache.element_size(),
     )
 
 
@@ -221,7 +233,7 @@ def replan_decode(plan: DecodePlan, cache_seqlens: torch.Tensor) -> DecodePlan:
         not isinstance(cache_seqlens, torch.Tensor)
         or tuple(cache_seqlens.shape) != (plan.batch,)
         or cache_seqlens.dtype != torch.int32
-        or cache_seqlens.device != plan.spec.device
+        or not same_device(cache_seqlens.device, plan.spec.device)
     ):
         got = (
             f"{tuple(cache_seqlens.shape)} {cache_seqlens.dtype} on {cache_seqlens.device}"

@@ -5,16 +5,19 @@ Every check names the argument, what was expected and what came. Two kinds:
 - shape checks (``check_decode_args``): ranks, sizes, dtypes, devices. Pure host metadata,
   no tensor is read; every call does them.
 - value checks (``check_decode_values``): lengths against the block table's capacity, block
-  ids in range. They read the tensors (one host sync on a GPU) and are what stops a bad block
-  table from becoming an illegal memory access inside a kernel. The one-shot ``mla_decode``
-  does them on every call; a planned call (``plan=``) relies on ``plan_decode`` having done
-  them once for the step, and repeats them only under ``ROCM_MLA_DEBUG=1``. A planned call
-  given bad values anyway still reads nothing outside the cache: every backend poisons the
-  rows that may see such a key and reports it through ``fault_flag`` (``FAULT_*`` below).
+  ids in range. They are reduced on the tensors' device into one small tensor and read back
+  once (one host sync on a GPU), which also gives the lengths' range a one-shot call plans
+  from (``DecodeProblem.seqlen_range``). The one-shot ``mla_decode`` does them on every
+  call; a planned call (``plan=``) relies on ``plan_decode`` having done them once for the
+  step, and repeats them only under ``ROCM_MLA_DEBUG=1``. A planned call given bad values
+  anyway still reads nothing outside the cache: every backend poisons the rows that may see
+  such a key and reports it through ``fault_flag`` (``FAULT_*`` below).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from rocm_mla.platform import resolve_device, same_device
 
 #: ``ROCM_MLA_DEBUG=1``: planned calls repeat the value checks and every call checks that the
 #: inputs a row can see are finite (naming the first non-finite one). Off by default: both
@@ -81,7 +86,9 @@ class DecodeSpec:
     """What backend selection needs to know about a decode call: shapes and types, no values.
 
     Built from a ``DecodeProblem`` (``problem.spec``) or by ``plan_decode`` before any tensor
-    of the step exists.
+    of the step exists. ``device`` is stored resolved (``platform.resolve_device``: ``"cuda"``
+    becomes ``cuda:<current>``), as torch would place the step's tensors, so a plan made for
+    ``"cuda"`` matches tensors on the GPU that was current when it was made.
     """
 
     device: torch.device
@@ -95,6 +102,9 @@ class DecodeSpec:
     block_size: int | None = None  #: None: not known yet (checked at the call)
     #: whether the paged cache has a page-size-1 view without a copy (None: not known yet)
     kv_pages_even: bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", resolve_device(self.device))
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,9 @@ class DecodeProblem:
     kv_scale: float | None  #: per-tensor dequant scale of an fp8 cache, else None
     #: int32 ``[1]`` on q's device that the backend ORs ``FAULT_*`` bits into, or None
     fault_flag: torch.Tensor | None = None
+    #: ``(min, max, sum)`` of ``cache_seqlens`` as the value checks read them (a one-shot
+    #: call plans from it without reading again); None when they did not run
+    seqlen_range: tuple[int, int, int] | None = None
 
     @property
     def batch(self) -> int:
@@ -165,8 +178,10 @@ class DecodeProblem:
     def block_size(self) -> int:
         return self.kv_cache.shape[1]
 
-    @property
+    @functools.cached_property
     def spec(self) -> DecodeSpec:
+        """The call's ``DecodeSpec``; made once per problem (selection and planning ask for
+        it several times)."""
         kv = self.kv_cache
         even = kv.shape[0] == 1 or kv.stride(0) == kv.shape[1] * kv.stride(1)
         return DecodeSpec(
@@ -222,7 +237,7 @@ def prepare_decode(
         fault_flag=fault_flag,
     )
     if check_values:
-        check_decode_values(problem)
+        problem = dataclasses.replace(problem, seqlen_range=check_decode_values(problem))
     if debug_checks_enabled():
         if not check_values:
             check_decode_values(problem)
@@ -303,11 +318,13 @@ def check_decode_args(
         raise _fail("cache_seqlens", f"1-D [{batch}]", _describe(cache_seqlens))
     if cache_seqlens.dtype != torch.int32:
         raise _fail("cache_seqlens", "int32", cache_seqlens.dtype)
-    for name, t in (("kv_cache", kv_cache), ("block_table", block_table)):
-        if t.device != q.device:
+    for name, t in (
+        ("kv_cache", kv_cache),
+        ("block_table", block_table),
+        ("cache_seqlens", cache_seqlens),
+    ):
+        if not same_device(t.device, q.device):
             raise _fail(name, f"on q's device {q.device}", t.device)
-    if cache_seqlens.device != q.device:
-        raise _fail("cache_seqlens", f"on q's device {q.device}", cache_seqlens.device)
 
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
@@ -351,7 +368,7 @@ def check_decode_args(
             raise _fail("fault_flag", "an int32 tensor [1] or None", type(fault_flag).__name__)
         if fault_flag.dtype != torch.int32 or tuple(fault_flag.shape) != (1,):
             raise _fail("fault_flag", "an int32 tensor of shape [1]", _describe(fault_flag))
-        if fault_flag.device != q.device:
+        if not same_device(fault_flag.device, q.device):
             raise _fail("fault_flag", f"on q's device {q.device}", fault_flag.device)
 
     return DecodeProblem(
@@ -390,9 +407,10 @@ def planned_lengths(where: str, cache_seqlens: object) -> torch.Tensor | list[in
     return values
 
 
-def check_decode_values(problem: DecodeProblem) -> None:
-    """Lengths within the block table's capacity and used block ids in range (one sync)."""
-    check_seqlens_and_blocks(
+def check_decode_values(problem: DecodeProblem) -> tuple[int, int, int]:
+    """Lengths within the block table's capacity and used block ids in range; returns the
+    lengths' ``(min, max, sum)``. One host read (``check_seqlens_and_blocks``)."""
+    return check_seqlens_and_blocks(
         problem.cache_seqlens,
         problem.block_table,
         block_size=problem.block_size,
@@ -406,39 +424,57 @@ def check_seqlens_and_blocks(
     *,
     block_size: int | None,
     num_blocks: int | None,
-) -> None:
+) -> tuple[int, int, int]:
     """The value checks: ``0 <= cache_seqlens <= capacity`` and every block id a length uses
-    in ``[0, num_blocks)``. Parts whose inputs are None are skipped."""
+    in ``[0, num_blocks)``; parts whose inputs are None are skipped. Returns the lengths'
+    ``(min, max, sum)``.
+
+    Every check is reduced on the tensors' device (the block table's, when it is checked)
+    into one small tensor, read back once: one host sync on a GPU, whatever fails.
+    """
     if cache_seqlens.numel() == 0:
-        return
-    lo, hi = torch.aminmax(cache_seqlens)
-    lo, hi = int(lo), int(hi)
+        return 0, 0, 0
+    ids_checked = (
+        block_table is not None
+        and block_size is not None
+        and num_blocks is not None
+        and block_table.shape[1] > 0
+    )
+    device = block_table.device if ids_checked else cache_seqlens.device
+    lens = cache_seqlens.to(device=device, dtype=torch.int64)
+    lo, hi = torch.aminmax(lens)
+    parts = [lo, hi, lens.sum()]
+    if ids_checked:
+        # A column is used when its first key lies below the length.
+        firsts = torch.arange(0, block_table.shape[1] * block_size, block_size, device=device)
+        out_of_range = block_table != block_table.clamp(0, num_blocks - 1)
+        used_bad = (out_of_range & (firsts[None, :] < lens[:, None])).view(-1)
+        # The first bad id, row-major; gathered on the device (indexing with a tensor
+        # scalar would read it back).
+        first = used_bad.to(torch.uint8).argmax().reshape(1)
+        first_id = block_table.reshape(-1).index_select(0, first)[0]
+        parts += [used_bad.sum(), first_id.to(torch.int64)]
+    values = torch.stack(parts).tolist()
+    lo, hi, total = values[:3]
     if lo < 0:
         raise _fail("cache_seqlens", "non-negative", f"a minimum of {lo}")
-    if block_table is None or block_size is None:
-        return
-    capacity = block_table.shape[1] * block_size
-    if hi > capacity:
-        raise _fail(
-            "cache_seqlens",
-            f"at most the block table's capacity {block_table.shape[1]} blocks x "
-            f"{block_size} tokens = {capacity}",
-            f"a maximum of {hi}",
-        )
-    if num_blocks is None:
-        return
-    used = _used_blocks_mask(block_table, cache_seqlens.to(block_table.device), block_size)
-    if bool(used.any()):
-        ids = block_table[used]
-        bad = (ids < 0) | (ids >= num_blocks)
-        if bool(bad.any()):
-            first = int(ids[bad][0])
+    if block_table is not None and block_size is not None:
+        capacity = block_table.shape[1] * block_size
+        if hi > capacity:
             raise _fail(
-                "block_table",
-                f"block ids in [0, {num_blocks}) (kv_cache's num_blocks) for every "
-                "block that cache_seqlens uses",
-                f"{int(bad.sum())} out-of-range ids, first {first}",
+                "cache_seqlens",
+                f"at most the block table's capacity {block_table.shape[1]} blocks x "
+                f"{block_size} tokens = {capacity}",
+                f"a maximum of {hi}",
             )
+    if ids_checked and values[3]:
+        raise _fail(
+            "block_table",
+            f"block ids in [0, {num_blocks}) (kv_cache's num_blocks) for every "
+            "block that cache_seqlens uses",
+            f"{values[3]} out-of-range ids, first {values[4]}",
+        )
+    return lo, hi, total
 
 
 def check_finite(problem: DecodeProblem) -> None:
@@ -467,19 +503,6 @@ def check_finite(problem: DecodeProblem) -> None:
             f"mla_decode ({DEBUG_ENV_VAR}): kv_cache row of request {b}, token {t} (block "
             f"{int(blocks[b, t])}, offset {t % p.block_size}) is not finite"
         )
-
-
-def _used_blocks_mask(
-    block_table: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """[B, max_blocks] bool: the block-table entries that hold some of each request's tokens."""
-    cols = torch.arange(block_table.shape[1], device=block_table.device)
-    needed = (cache_seqlens.to(torch.int64) + block_size - 1) // block_size
-    return cols[None, :] < needed[:, None]
-
-
-def used_blocks_mask(problem: DecodeProblem) -> torch.Tensor:
-    return _used_blocks_mask(problem.block_table, problem.cache_seqlens, problem.block_size)
 
 
 def visible_lengths(problem: DecodeProblem) -> torch.Tensor:

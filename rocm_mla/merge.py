@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from rocm_mla.platform import same_device
+
 #: What ``merge_states`` merges: float partials (an int ``outs`` would be truncated on the
 #: way back), fp32 math inside.
 MERGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -41,7 +43,7 @@ def check_merge_args(outs: object, lses: object) -> None:
         raise ValueError(
             f"merge_states: outs must have Dv >= 1 values per row, got {tuple(outs.shape)}"
         )
-    if outs.device != lses.device:
+    if not same_device(outs.device, lses.device):
         raise ValueError(
             f"merge_states: outs and lses must share a device, got {outs.device} and {lses.device}"
         )

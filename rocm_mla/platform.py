@@ -1,4 +1,5 @@
-"""What machine we are on: cpu / cuda / hip (+ gfx arch), and the versions that matter."""
+"""What machine we are on: cpu / cuda / hip (+ gfx arch), the versions that matter, and
+devices compared as torch places tensors (``resolve_device``, ``same_device``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,28 @@ def current_platform() -> Platform:
         arch = getattr(props, "gcnArchName", "unknown").split(":")[0]
         return Platform("hip", arch, props.name)
     return Platform("cuda", f"sm{props.major}{props.minor}", props.name)
+
+
+def resolve_device(device: torch.device | str | int) -> torch.device:
+    """``device`` as torch places a tensor there: ``"cuda"`` without an index is the current
+    GPU, ``cuda:<torch.cuda.current_device()>`` (HIP GPUs are ``cuda`` devices in torch too);
+    an indexed device (every tensor's) and the CPU stay as they are.
+
+    Read at each call, not cached: ``torch.cuda.set_device`` changes what ``"cuda"`` means.
+    With no GPU visible ``"cuda"`` stays unindexed (no tensor can live there to compare with).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def same_device(a: torch.device | str | int, b: torch.device | str | int) -> bool:
+    """Whether ``a`` and ``b`` are one device once resolved (``resolve_device``): ``"cuda"``
+    equals ``"cuda:0"`` exactly when GPU 0 is the current one. Every device check of the
+    package compares through here; ``torch.device("cuda") == torch.device("cuda:0")`` is False.
+    """
+    return a == b or resolve_device(a) == resolve_device(b)
 
 
 def torch_build() -> str:

@@ -21,9 +21,11 @@ from rocm_mla.inputs import (
     DecodeProblem,
     DecodeSpec,
     KVBoundsError,
+    check_decode_values,
     debug_checks_enabled,
     prepare_decode,
 )
+from rocm_mla.platform import same_device
 
 
 @dataclass(frozen=True)
@@ -137,11 +139,13 @@ class MLADecodeImpl:
         lengths: torch.Tensor | None = None,
         bounds_only: bool = False,
         capacity_keys: int | None = None,
+        cache_bytes: int | None = None,
     ) -> object:
         """The backend's per-step launch decisions (``DecodePlan.launch``); None when the
         backend needs none. ``lengths`` (``[B]``, on the CPU or the plan's device, or None)
         are the step's own lengths for a backend that schedules by them without reading a
-        device tensor back; ``capacity_keys`` the block table's capacity when known."""
+        device tensor back; ``capacity_keys`` the block table's capacity and
+        ``cache_bytes`` the KV cache's size, when known."""
         return None
 
     @classmethod
@@ -161,9 +165,10 @@ class MLADecodeImpl:
         bounds_only: bool = False,
         lengths: torch.Tensor | None = None,
         capacity_keys: int | None = None,
+        cache_bytes: int | None = None,
     ) -> DecodePlan:
         """A ``DecodePlan`` for this backend (the length range already known on the host;
-        ``lengths`` and ``capacity_keys`` as ``plan_launch``)."""
+        ``lengths``, ``capacity_keys`` and ``cache_bytes`` as ``plan_launch``)."""
         return DecodePlan(
             backend=cls.name,
             spec=spec,
@@ -180,22 +185,29 @@ class MLADecodeImpl:
                 lengths=lengths,
                 bounds_only=bounds_only,
                 capacity_keys=capacity_keys,
+                cache_bytes=cache_bytes,
             ),
         )
 
     @classmethod
     def plan_problem(cls, problem: DecodeProblem) -> DecodePlan:
-        """Plan a one-shot call from its own lengths: one host sync to read them."""
-        lens = problem.cache_seqlens
-        lo, hi, total = (int(v) for v in torch.stack([lens.min(), lens.max(), lens.sum()]).tolist())
+        """Plan a one-shot call from its own lengths, with no host read of its own: their
+        range is the one the value checks read (``prepare_decode``); a problem they did not
+        run on gets them here (one host read)."""
+        lengths = problem.seqlen_range
+        if lengths is None:
+            lengths = check_decode_values(problem)
+        low, high, total = lengths
+        kv = problem.kv_cache
         return cls.make_plan(
             problem.spec,
             batch=problem.batch,
-            min_seqlen=lo,
-            max_seqlen=hi,
+            min_seqlen=low,
+            max_seqlen=high,
             total_seqlen=total,
-            lengths=lens,
-            capacity_keys=problem.block_table.shape[1] * problem.kv_cache.shape[1],
+            lengths=problem.cache_seqlens,
+            capacity_keys=problem.block_table.shape[1] * kv.shape[1],
+            cache_bytes=kv.numel() * kv.element_size(),
         )
 
     # ---- compute ------------------------------------------------------------------------
@@ -296,10 +308,7 @@ def check_plan_matches(plan: DecodePlan, problem: DecodeProblem, backend: str) -
         )
         if want != have
     ]
-    if spec.device.type != got.device.type or (
-        None not in (spec.device.index, got.device.index)
-        and (spec.device.index != got.device.index)
-    ):
+    if not same_device(spec.device, got.device):
         mismatches.append(f"device: plan {spec.device}, call {got.device}")
     if spec.block_size is not None and spec.block_size != got.block_size:
         mismatches.append(f"block_size: plan {spec.block_size}, call {got.block_size}")

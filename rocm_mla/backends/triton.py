@@ -120,6 +120,26 @@ def _schedule(
     return tables
 
 
+@functools.lru_cache(maxsize=64)
+def _launch_shape(spec: DecodeSpec, cache_bytes: int) -> tuple[object, int]:
+    """``kernels.plan.plan_launch`` for a call's shapes: the stage-1 config and the resident
+    slots. Host arithmetic over what a process never changes (the target, the tuned table,
+    the compiled residency), so kept per (spec, cache size): a one-shot call of a shape
+    already seen does no launch planning."""
+    from rocm_mla.kernels.plan import plan_launch
+
+    return plan_launch(
+        q_len=spec.q_len,
+        num_heads=spec.num_heads,
+        kv_dtype=spec.kv_dtype,
+        q_dtype=spec.q_dtype,
+        head_dim=spec.head_dim,
+        head_dim_v=spec.head_dim_v,
+        page_size=spec.block_size,
+        cache_bytes=cache_bytes,
+    )
+
+
 #: Forces the slots every Triton plan balances over (as ``TritonMLAImpl(num_slots=)``): the
 #: interpreter has one, so engine tests under it set more to exercise the cut and the merge.
 SLOTS_ENV = "ROCM_MLA_TRITON_SLOTS"
@@ -187,22 +207,16 @@ class TritonMLAImpl(MLADecodeImpl):
         lengths: torch.Tensor | None = None,
         bounds_only: bool = False,
         capacity_keys: int | None = None,
+        cache_bytes: int | None = None,
     ) -> TritonLaunch:
-        """Stage-1 block shapes, slots (``kernels.plan.plan_launch``) and the step's
-        balanced schedule from ``lengths`` (module ``kernels.schedule``)."""
-        from rocm_mla.kernels.plan import plan_launch
+        """Stage-1 block shapes, slots (``kernels.plan.plan_launch``, cached per shape) and
+        the step's balanced schedule from ``lengths`` (module ``kernels.schedule``). Without
+        ``cache_bytes`` the lengths' bytes stand in for the cache's size."""
         from rocm_mla.kernels.schedule import MAX_KEYS
 
-        config, num_slots = plan_launch(
-            q_len=spec.q_len,
-            num_heads=spec.num_heads,
-            kv_dtype=spec.kv_dtype,
-            q_dtype=spec.q_dtype,
-            head_dim=spec.head_dim,
-            head_dim_v=spec.head_dim_v,
-            page_size=spec.block_size,
-            cache_bytes=total_seqlen * spec.head_dim * spec.kv_dtype.itemsize,
-        )
+        if cache_bytes is None:
+            cache_bytes = total_seqlen * spec.head_dim * spec.kv_dtype.itemsize
+        config, num_slots = _launch_shape(spec, cache_bytes)
         num_slots = _forced_slots() or num_slots
         capacity = MAX_KEYS if capacity_keys is None else min(capacity_keys, MAX_KEYS)
         schedule = _schedule(spec, config, num_slots, batch, lengths, bounds_only, capacity)

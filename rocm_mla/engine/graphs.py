@@ -32,6 +32,7 @@ import torch
 
 from rocm_mla.api import plan_decode, replan_decode
 from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
+from rocm_mla.platform import resolve_device
 
 #: Batch-size buckets; the largest is replaced by ``max_num_seqs``.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -79,7 +80,7 @@ class DecodeGraphs:
             plans and block tables of the buckets cover it.
         max_batch: the largest decode batch (``max_num_seqs``).
         trash_block, trash_slot: the KV block and KDA state slot padding rows write to.
-        device: the GPU.
+        device: the GPU (``"cuda"``: the current one, resolved once here).
         capture: how to record a step (``cuda_graph_capture``; tests pass their own).
     """
 
@@ -110,7 +111,7 @@ class DecodeGraphs:
         self.max_blocks = -(-max_seqlen // block_size)
         self.sizes = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self.trash_block, self.trash_slot = trash_block, trash_slot
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.capture = capture
         self.buckets: dict[int, _Bucket] = {}
 

@@ -73,6 +73,7 @@ from rocm_mla.engine.worker import (
 )
 from rocm_mla.models.kimi_k3 import KimiK3Config
 from rocm_mla.models.kimi_k3.limits import check_memory
+from rocm_mla.platform import resolve_device
 
 #: Collective timeout inside the workers (an engine's lifetime can be long; faults are
 #: caught by this process through deaths, errors, heartbeats and the call timeout).
@@ -146,10 +147,12 @@ def _check_backend(backend: object) -> None:
 
 
 def local_device(device: str | torch.device | None) -> torch.device:
-    """The device of a single-process engine: ``device``, or the first GPU torch sees, else
-    the CPU. Raises ``ValueError`` naming ``device`` for a GPU torch cannot see."""
+    """The device of a single-process engine: ``device``, or the current GPU when torch sees
+    one, else the CPU; ``"cuda"`` resolved to ``cuda:<current>`` (``platform.resolve_device``)
+    so the caches, step tensors and plans all name one device. Raises ``ValueError`` naming
+    ``device`` for a GPU torch cannot see."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return resolve_device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device) if isinstance(device, (str, torch.device)) else None
     except (RuntimeError, TypeError):
@@ -164,7 +167,7 @@ def local_device(device: str | torch.device | None) -> torch.device:
                 f"device: {device!r} but torch {torch.__version__}{build} sees {gpus} GPU(s); "
                 "use device='cpu', or None to take a GPU only when there is one"
             )
-    return dev
+    return resolve_device(dev)
 
 
 def placement(world: int, device: str | torch.device | None) -> tuple[str, str]:

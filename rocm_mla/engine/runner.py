@@ -17,6 +17,7 @@ import torch
 from rocm_mla.dcp import DecodeMetadata, check_block_size, plan_step_decode, slot_mapping
 from rocm_mla.engine.cache import FreeList, blocks_for
 from rocm_mla.models.kimi_k3.metadata import ForwardMetadata
+from rocm_mla.platform import resolve_device
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class Runner:
         block_size: tokens per physical block.
         max_num_seqs: KDA state slots, i.e. requests in flight at once (``LLM(max_num_seqs=)``).
         dcp_size, dcp_rank, dcp_interleave: this rank's decode-context-parallel layout.
-        device: where the metadata tensors live.
+        device: where the metadata tensors live (``"cuda"``: the current GPU, resolved once
+            here, as the step's tensors and plans are compared by the resolved device).
         attention: the stage's MLA kernel call; when given, every uniform decode step carries
             one ``rocm_mla.plan_decode`` plan that all MLA layers of the step share.
 
@@ -92,7 +94,7 @@ class Runner:
         self.slots = FreeList(max_num_seqs, "sequence slots (KDA state rows)", "max_num_seqs")
         self.block_size = block_size
         self.dcp_size, self.dcp_rank, self.dcp_interleave = dcp_size, dcp_rank, dcp_interleave
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.attention = attention
         self.fault_flag = torch.zeros(1, dtype=torch.int32, device=self.device)
 

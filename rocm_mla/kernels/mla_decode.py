@@ -44,6 +44,7 @@ from rocm_mla.kernels.schedule import (
 )
 from rocm_mla.kernels.target import triton_target
 from rocm_mla.kernels.tuned_configs import LaunchConfig
+from rocm_mla.platform import same_device
 
 __all__ = [
     "LaunchConfig",
@@ -116,7 +117,7 @@ def mla_decode(
         not isinstance(fault_flag, torch.Tensor)
         or fault_flag.dtype != torch.int32
         or tuple(fault_flag.shape) != (1,)
-        or fault_flag.device != q.device
+        or not same_device(fault_flag.device, q.device)
     ):
         got = (
             f"{tuple(fault_flag.shape)} {fault_flag.dtype} on {fault_flag.device}"
@@ -167,7 +168,7 @@ def mla_decode(
     elif (
         schedule.num_groups != num_groups
         or schedule.unit_parts.shape[0] != batch * num_groups
-        or schedule.segments.device != q.device
+        or not same_device(schedule.segments.device, q.device)
     ):
         raise ValueError(
             f"mla_decode: the schedule was made for {schedule.unit_parts.shape[0]} units of "

@@ -42,6 +42,7 @@ from rocm_mla.backends import requested_backend
 from rocm_mla.backends.base import device_kind
 from rocm_mla.inputs import FP8_DTYPES, DecodePlan
 from rocm_mla.integrations.vllm.report import describe_plan, startup_refusal
+from rocm_mla.platform import resolve_device
 
 BACKEND_NAME = "rocm_mla"
 logger = logging.getLogger("sglang.srt.plugins.rocm_mla")
@@ -55,7 +56,7 @@ CALL_LOG_ENV = "ROCM_MLA_SGLANG_CALL_LOG"
 
 def platform_prefill_backend(runner) -> str:
     """The SGLang backend extend is delegated to under ``--attention-backend rocm_mla``."""
-    if runner.device == "cpu":
+    if torch.device(runner.device).type == "cpu":
         return "torch_native"
     if torch.version.hip:
         try:
@@ -160,7 +161,9 @@ class RocmMLAAttnBackend(AttentionBackend):
         self.head_dim_v = pool.kv_lora_rank
         self.rope_dim = pool.qk_rope_head_dim
         self.page_size = runner.page_size
-        self.device = torch.device(runner.device)
+        # Resolved once ("cuda" -> the current GPU): the graph buffers, the plans and the
+        # step's tensors then all name the same device.
+        self.device = resolve_device(runner.device)
         self.q_dtype = runner.dtype
         self.num_heads = runner.model_config.get_num_attention_heads(parallel.attn_tp_size)
         self.token_to_kv_pool = pool
