@@ -1,0 +1,263 @@
+"""The GPU benchmarks' code without a GPU: ``kernel_roofline --gpu``'s table run on the CPU
+(``--dry-run``: Triton interpreter, tiny shapes) with stand-in peers loaded from files the way
+a device bundle lays them out, its ratios, acceptance lines and plan records; vLLM's kernel
+found by file; the split rule; the launched-kernel record."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from benchmarks import common, kernel_roofline
+from rocm_mla.kernels.target import TritonTarget
+
+#: Stand-ins for the bundle's peers (``peers/flash_mla_interface.py`` and
+#: ``peers/vllm_triton_decode.py``): the same call signatures, answered by the torch backend.
+FAKE_FLASH_MLA = """
+import rocm_mla
+
+CALLS = []
+
+
+def get_mla_metadata(cache_seqlens, rows_per_kv_head, kv_heads):
+    return "meta", None
+
+
+def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, splits,
+                           softmax_scale=None, causal=False):
+    assert meta == "meta" and k_cache.dim() == 4
+    CALLS.append(q.shape)
+    out, lse = rocm_mla.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v=head_dim_v,
+                                   softmax_scale=softmax_scale, causal=causal, backend="torch")
+    return out, lse.transpose(1, 2)
+"""
+FAKE_VLLM = """
+import torch
+
+import rocm_mla
+
+CALLS = []
+
+
+def decode_attention_fwd(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits,
+                         num_kv_splits, sm_scale, page_size=1, logit_cap=0.0, k_scale=None,
+                         v_scale=None, is_mla=False):
+    assert is_mla and num_kv_splits == attn_logits.shape[2]
+    CALLS.append((q.shape, num_kv_splits))
+    scale = None if k_scale is None else float(k_scale)
+    out, _ = rocm_mla.mla_decode(q.unsqueeze(1), k_buffer[:, :, 0], req_to_token, b_seq_len,
+                                 head_dim_v=v_buffer.shape[-1], softmax_scale=sm_scale,
+                                 causal=False, kv_scale=scale, backend="torch")
+    o.copy_(out[:, 0])
+"""
+
+
+def _bundle_peers(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "flash_mla_interface.py").write_text(textwrap.dedent(FAKE_FLASH_MLA))
+    (folder / kernel_roofline.VLLM_TRITON_FILE).write_text(textwrap.dedent(FAKE_VLLM))
+    return folder
+
+
+def test_vllm_kernel_is_found_by_file_as_the_bundle_lays_it_out(tmp_path, monkeypatch):
+    """Under the bundle vLLM's modules do not import (vLLM 0.33 moved the kernel; the peers
+    folder holds only a stub ``vllm``): the kernel loads from the file beside FlashMLA's."""
+    peers = _bundle_peers(tmp_path / "peers")
+    monkeypatch.delenv(kernel_roofline.VLLM_TRITON_ENV, raising=False)
+    monkeypatch.setenv("ROCM_MLA_FLASH_MLA", str(peers))
+    fn, source = kernel_roofline.vllm_decode_attention()
+    assert callable(fn) and fn.__name__ == "decode_attention_fwd"
+    assert source == str(peers / kernel_roofline.VLLM_TRITON_FILE)
+    # An explicit file wins, by flag or variable; one that is absent or wrong says so.
+    other = tmp_path / "other.py"
+    other.write_text("def decode_attention_fwd(*args, **kwargs):\n    pass\n")
+    assert kernel_roofline.vllm_decode_attention(str(other))[1] == str(other)
+    monkeypatch.setenv(kernel_roofline.VLLM_TRITON_ENV, str(tmp_path / "nope.py"))
+    fn, reason = kernel_roofline.vllm_decode_attention()
+    assert fn is None and "nope.py: no such file" in reason
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    fn, reason = kernel_roofline.vllm_decode_attention(str(empty))
+    assert fn is None and "defines no decode_attention_fwd" in reason
+    # Nothing named and no bundle: vLLM's own modules, each failure named.
+    monkeypatch.delenv(kernel_roofline.VLLM_TRITON_ENV)
+    monkeypatch.delenv("ROCM_MLA_FLASH_MLA")
+    fn, reason = kernel_roofline.vllm_decode_attention()
+    if fn is None:
+        assert "vllm.v1.attention.ops.triton_decode_attention" in reason
+
+
+def test_vllm_split_rule_without_vllm():
+    if kernel_roofline.importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed: its own rule applies")
+    rule = kernel_roofline.vllm_num_kv_splits
+    assert rule(32768, 132) == (64, "vLLM 0.33's rule")
+    assert rule(16384, 132)[0] == 32 and rule(8192, 132)[0] == 16 and rule(4096, 132)[0] == 8
+    assert rule(1500, 132)[0] == 2 and rule(1600, 132)[0] == 4  # 2 and 3 -> powers of two
+    assert rule(100, 132)[0] == 1
+    assert rule(32768, 4)[0] == 8  # at most 2 per SM
+
+
+def test_dry_run_table_with_peers_from_files(tmp_path, monkeypatch, capsys):
+    """``--dry-run``: every column of the ``--gpu`` table on the CPU, the peers loaded from
+    the bundle layout, 4 forced slots (cut units, the merge), the JSON + PNG and the text
+    table last."""
+    peers = _bundle_peers(tmp_path / "peers")
+    monkeypatch.setenv("ROCM_MLA_FLASH_MLA", str(peers))
+    monkeypatch.delenv(kernel_roofline.VLLM_TRITON_ENV, raising=False)
+    # 4 slots for 2 x 3 pieces: both requests cut, so stage 2 merges.
+    monkeypatch.setenv("ROCM_MLA_TRITON_SLOTS", "4")
+    path = kernel_roofline.main(["--dry-run", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    payload = json.loads(path.read_text())
+    assert path.with_suffix(".png").is_file()
+    assert payload["mode"] == "dry-run" and payload["skipped_cases"] == []
+    assert payload["peers"]["flashmla"]["loaded"] and payload["peers"]["vllm"]["loaded"]
+    rows = {r["case"]: r for r in payload["rows"]}
+    assert list(rows) == [c.label() for c in kernel_roofline.DRY_RUN_CASES]
+    for label, row in rows.items():
+        times = row["times_us"]
+        assert times["ours"] > 0 and times["ours_graph"] > 0, label
+        assert times["vllm"] > 0 and times["vllm_graph"] > 0, label
+        assert row["vllm"]["splits"] >= 1 and row["vllm"]["splits_rule"]
+        plan = row["plan"]
+        assert plan["num_slots"] == 4 and plan["slots_forced"] == "4"
+        assert plan["num_partials"] > 0 and plan["num_programs"] == 4
+        assert plan["config"]["block_h"] >= 16 and plan["config_is_table_entry"]
+        assert plan["launched"] == {"unknown": "interpreter"}
+        assert row["graph_plan"]["num_programs"] is None  # the device planner fills it
+        assert row["graph"].startswith("eager")
+        check = row["check"]
+        assert check["graph_vs_planned"] <= 1e-6 and check["ok"], check
+        ratios = row["ratios"]
+        assert ratios["vs_vllm"] == pytest.approx(times["vllm"] / times["ours"], rel=1e-3)
+        assert row["pct_copy"]["ours"] > 0 and row["pct_datasheet"] is None
+    bf16, fp8 = rows["B2 ctx130 H16"], rows["B2 ctx130 H16 fp8"]
+    assert bf16["check"]["reference"] == "flashmla" and bf16["times_us"]["flashmla"] > 0
+    assert bf16["ratios"]["vs_flashmla"] == pytest.approx(
+        bf16["times_us"]["flashmla"] / bf16["times_us"]["ours"], rel=1e-3
+    )
+    # FlashMLA has no per-tensor-scaled fp8 cache: vLLM's fp8 run is the reference there.
+    assert fp8["times_us"]["flashmla"] is None and "656-byte" in fp8["skipped"]["flashmla"]
+    assert fp8["check"]["reference"] == "vllm"
+    assert fp8["ratios"]["fp8_over_bf16"] == pytest.approx(
+        bf16["times_us"]["ours"] / fp8["times_us"]["ours"], rel=1e-3
+    )
+    assert "fp8_over_bf16" not in bf16["ratios"]
+    whats = [a["what"] for a in payload["acceptance"]]
+    assert whats == [
+        "ours / FlashMLA, H16 S_q 1-8",
+        "ours / FlashMLA, H128 S_q 2-8",
+        "ours / FlashMLA, H128 S_q 1",
+        "ours fp8 / ours bf16, H16",
+        "ours fp8 / ours bf16, H128",
+    ]
+    h16 = payload["acceptance"][0]
+    assert h16["rows"] == 2 and h16["planned_min"] == min(
+        r["ratios"]["vs_flashmla"] for r in (bf16, rows["B2 ctx130 H16 S_q2"])
+    )
+    # The text table comes last: the header, a row per shape, the plans, the verdicts.
+    tail = out.split("wrote ")[-1]
+    assert "B2 ctx130 H16 fp8" in tail and "plans (config, slots" in tail
+    assert "ours fp8 / ours bf16, H16 >= 1.6 (1 rows)" in tail
+    assert tail.strip().splitlines()[-1].startswith("device cpu-")
+    # A repeat compares plan by plan.
+    again = json.loads(path.read_text())
+    again["rows"][0]["plan"] = {**again["rows"][0]["plan"], "fingerprint": "other"}
+    text = kernel_roofline.compare_text(again, payload)
+    assert "B2 ctx130 H16 " in text and "PLAN DIFFERS" in text and "same plan" in text
+
+
+def test_gpu_table_cases_are_issue_37s():
+    labels = [c.label() for c in kernel_roofline.GPU_CASES]
+    assert len(labels) == len(set(labels))
+    assert labels[:14] == [
+        "B128 ctx32K H16",
+        "B64 ctx8K H16",
+        "B32 ctx16K H16",
+        "B128 ctx4K H16",
+        "B8 ctx32K H16",
+        "B1 ctx32K H16",
+        "B128 ctx32K H128",
+        "B64 ctx8K H128",
+        "B32 ctx16K H128",
+        "B32 ctx16K H16 S_q4",
+        "B64 ctx8K H128 S_q2",
+        "B128 ctx16K H16",
+        "B128 ctx16K H16 fp8",
+        "B64 ctx8K H128 fp8",
+    ]
+    # The acceptance's verify windows: S_q 1, 2, 4, 8 at both head counts.
+    for heads in (16, 128):
+        q_lens = {c.q_len for c in kernel_roofline.GPU_CASES if c.heads == heads}
+        assert q_lens == {1, 2, 4, 8}
+    # Every fp8 row has its bf16 twin (the fp8/bf16 ratio).
+    for c in kernel_roofline.GPU_CASES:
+        if c.kv_kind == "fp8":
+            twin = kernel_roofline.Case(c.batch, c.context, c.heads, c.q_len, "bf16")
+            assert twin in kernel_roofline.GPU_CASES
+
+
+def test_gpu_mode_refuses_without_a_gpu_and_checks_its_flags(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, message in (
+        (["--gpu"], "--gpu needs a GPU"),
+        (["--dry-run", "--cases", "B9 ctx1K H16"], "--cases: unknown"),
+        (["--gpu", "--grid", "tiny"], "not allowed with argument"),
+        (["--cases", "B2 ctx130 H16"], "go with --gpu or --dry-run"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            kernel_roofline.main(argv)
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err, argv
+
+
+class _FakeKernel:
+    def __init__(self, regs: int, shared: int) -> None:
+        self.n_regs, self.n_spills = regs, 0
+        self.metadata = types.SimpleNamespace(shared=shared, num_warps=4, num_stages=2)
+
+
+def test_launched_stage1_kernel_record(monkeypatch):
+    """The kernels Triton compiled during a call, read from its per-device cache: registers,
+    spills, shared memory, and on sm90 the residency they give; a shape compiled by an
+    earlier call is credited to it."""
+    import rocm_mla.kernels.target as target_module
+
+    monkeypatch.setattr(target_module, "triton_target", lambda: TritonTarget("cuda", "sm90", 132))
+    kernels = common.Stage1Kernels()
+    cache: dict = {}
+    kernels.fn = types.SimpleNamespace(device_caches={0: (cache, None, None, None, None)})
+    kernels.before()
+    cache["a"] = _FakeKernel(regs=128, shared=100_000)
+    record = kernels.after(shape="H16")
+    # 128 regs x 128 threads: 4 programs by registers; 2 by shared memory (228 KB per SM).
+    assert record == {
+        "regs": 128,
+        "spills": 0,
+        "shared": 100_000,
+        "num_warps": 4,
+        "num_stages": 2,
+        "programs_per_cu": 2,
+    }
+    kernels.before()
+    assert kernels.after(shape="H16") == {**record, "compiled_by": "an earlier case"}
+    assert "unknown" in kernels.after(shape="H128")
+
+
+def test_plan_inputs_name_the_triton_that_compiles(monkeypatch):
+    monkeypatch.setenv("ROCM_MLA_TRITON_SLOTS", "7")
+    inputs = common.plan_inputs()
+    import triton
+
+    assert inputs["triton"]["version"] == triton.__version__
+    assert inputs["triton"]["path"] == str(Path(triton.__file__).parent)
+    assert inputs["env"]["ROCM_MLA_TRITON_SLOTS"] == "7"
+    assert common.environment()["triton"] == triton.__version__
