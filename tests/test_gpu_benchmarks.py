@@ -261,3 +261,37 @@ def test_plan_inputs_name_the_triton_that_compiles(monkeypatch):
     assert inputs["triton"]["path"] == str(Path(triton.__file__).parent)
     assert inputs["env"]["ROCM_MLA_TRITON_SLOTS"] == "7"
     assert common.environment()["triton"] == triton.__version__
+
+
+def test_bench_gpu_dry_run_overhead_and_planner_rows(tmp_path, capsys):
+    """``benchmarks.gpu --dry-run``: the one-shot vs planned rows and the device planner rows
+    on the CPU, each with the plan it ran, and the short table printed last."""
+    from benchmarks import gpu
+
+    payload = gpu.main(["--dry-run", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    (row,) = payload["call_overhead"]
+    assert (row["batch"], row["context"], row["heads"]) == gpu.DRY_RUN_OVERHEAD_CASES[0][:3]
+    assert row["one_shot_over_planned"] == pytest.approx(row["one_shot_s"] / row["planned_s"])
+    assert row["one_shot_within_target"] is None  # B < 8: outside the target's range
+    assert row["plan"]["num_slots"] >= 1 and row["graph"].startswith("eager")
+    planner = payload["planner"]
+    assert [(r["batch"], r["heads"]) for r in planner] == [(1, 16), (2, 16)]
+    for r in planner:
+        assert r["eager_us"] > 0 and r["graph_us"] > 0
+        assert r["plan"]["num_programs"] is None  # the device planner fills the tables
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 2 and files[0].startswith("gpu-") and files[1].endswith(".png")
+    tail = out.split("wrote ")[-1]
+    assert "one-shot" in tail and tail.strip().splitlines()[-1].startswith("planner worst")
+    assert gpu.TARGETS == {"one_shot_over_planned_max": 1.3, "planner_us_max": 20.0}
+
+
+def test_bench_gpu_refuses_without_a_gpu(monkeypatch, capsys):
+    from benchmarks import gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        gpu.main(["--skip-e2e"])
+    assert exc.value.code == 2
+    assert "needs a CUDA or HIP GPU (torch sees none)" in capsys.readouterr().err
