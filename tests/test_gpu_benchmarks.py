@@ -295,3 +295,42 @@ def test_bench_gpu_refuses_without_a_gpu(monkeypatch, capsys):
         gpu.main(["--skip-e2e"])
     assert exc.value.code == 2
     assert "needs a CUDA or HIP GPU (torch sees none)" in capsys.readouterr().err
+
+
+def test_gpu_marked_tests_name_what_they_need(monkeypatch, tmp_path):
+    """A gpu-marked test's skip names the missing requirement: the GPU, the Triton backend
+    on it (with the backend's own reason), fp8; vLLM must be installed, not a stub package
+    that only imports (a device bundle puts one on the path for FlashMLA)."""
+    import rocm_mla.backends
+    from tests import conftest
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert conftest._skip_reason("gpu", ("triton",)) == "needs a GPU: torch sees no CUDA/HIP device"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        rocm_mla.backends,
+        "available_backends",
+        lambda: {"triton": "Triton 3.3.0 is below 3.5.1", "torch": None},
+    )
+    assert conftest._skip_reason("gpu") is None
+    assert conftest._skip_reason("gpu", ("triton",)) == (
+        "needs the Triton backend on this GPU: Triton 3.3.0 is below 3.5.1"
+    )
+    with pytest.raises(ValueError, match="unknown \\['cuda'\\]"):
+        conftest._skip_reason("gpu", ("cuda",))
+    import rocm_mla.backends.triton as triton_backend
+
+    monkeypatch.setattr(
+        triton_backend.TritonMLAImpl,
+        "capabilities",
+        types.SimpleNamespace(kv_dtypes=(torch.float32, torch.bfloat16)),
+    )
+    assert "fp8" in conftest._skip_reason("gpu", ("fp8",))
+    stub = tmp_path / "peers"
+    (stub / "vllm").mkdir(parents=True)
+    (stub / "vllm" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(stub))
+    assert kernel_roofline.importlib.util.find_spec("vllm") is not None
+    assert conftest._skip_reason("vllm") == (
+        "needs vLLM installed (run `make test-vllm`, which uses its own venv)"
+    )
