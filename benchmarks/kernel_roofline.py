@@ -885,6 +885,58 @@ def run_gpu(
     }
 
 
+#: ``--profile-once``'s default shapes: the two ncu condemned (H128's spills, fp8's
+#: byte-wide shared traffic).
+PROFILE_CASES = ("B64 ctx8K H128", "B128 ctx16K H16 fp8")
+
+
+def profile_once(cases: list[Case], peers: Peers, *, device: str = "cuda") -> list[str]:
+    """Our planned call and FlashMLA's, twice each per shape (the first compiles), nothing
+    timed: a short process for a profiler (``scripts/gpu_check.sh --ncu``). Returns a line
+    per call made."""
+    import rocm_mla
+    from rocm_mla.inputs import prepare_decode
+
+    done = []
+    for seed, case in enumerate(cases):
+        gen = torch.Generator().manual_seed(seed)
+        lens_host = lengths_for(case.lengths, case.batch, case.context, gen)
+        kv, table, kv_scale = build_cache(lens_host, case.kv_kind, BLOCK_SIZE, device, seed)
+        lens = lens_host.to(device)
+        q = torch.randn(
+            case.batch, case.q_len, case.heads, HEAD_DIM, dtype=torch.bfloat16, device=device
+        )
+        plan = rocm_mla.plan_decode(
+            lens_host,
+            q_len=case.q_len,
+            num_heads=case.heads,
+            kv_dtype=kv.dtype,
+            q_dtype=q.dtype,
+            device=lens.device,
+            backend="triton",
+        )
+        for _ in range(2):
+            rocm_mla.mla_decode(q, kv, table, lens, kv_scale=kv_scale, plan=plan)
+        record = common.triton_plan(
+            plan.launch, num_heads=case.heads, q_len=case.q_len, kv_dtype=kv.dtype
+        )
+        done.append(f"ours {case.label()}: {common.plan_text(record)}")
+        if peers.flash is not None:
+            problem = prepare_decode(
+                q, kv, table, lens, head_dim_v=HEAD_DIM_V, softmax_scale=None, causal=True,
+                kv_scale=kv_scale, check_values=False,
+            )  # fmt: skip
+            call, reason = flash_mla_call(peers.flash, problem)
+            if call is None:
+                done.append(f"flashmla {case.label()}: skipped: {reason}")
+            else:
+                for _ in range(2):
+                    call()
+                done.append(f"flashmla {case.label()}")
+        _sync(device)
+    return done
+
+
 def _fmt(value, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -1212,7 +1264,7 @@ def _cases(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def main(argv: list[str] | None = None) -> Path:
+def main(argv: list[str] | None = None) -> Path | None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.kernel_roofline", description=__doc__.split("\n")[0]
     )
@@ -1229,6 +1281,12 @@ def main(argv: list[str] | None = None) -> Path:
     )
     mode.add_argument(
         "--grid", choices=("full", "tiny"), help="shape grid (default: full on a GPU, tiny on CPU)"
+    )
+    mode.add_argument(
+        "--profile-once",
+        action="store_true",
+        help="run our planned call and FlashMLA's twice per --cases shape, untimed, for a "
+        f"profiler (default shapes: {', '.join(PROFILE_CASES)})",
     )
     parser.add_argument(
         "--cases",
@@ -1276,8 +1334,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--block-size", type=int, default=64, help="grid mode: KV block size")
     parser.add_argument("--out", type=Path, help="results folder (default: benchmarks/results)")
     args = parser.parse_args(argv)
-    if args.gpu and not torch.cuda.is_available():
-        parser.error("--gpu needs a GPU (torch sees none); --dry-run checks its code on the CPU")
+    if (args.gpu or args.profile_once) and not torch.cuda.is_available():
+        parser.error(
+            "--gpu and --profile-once need a GPU (torch sees none); --dry-run checks the "
+            "--gpu code on the CPU"
+        )
     if (args.dry_run or args.interpreter) and torch.cuda.is_available():
         parser.error("--dry-run and --interpreter are for CPU-only machines (this one has a GPU)")
     if args.dry_run or args.interpreter:
@@ -1287,10 +1348,10 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error("--budget-s and --rep-ms must be > 0, --warmup-ms >= 0")
     if args.compare is not None and not args.compare.is_file():
         parser.error(f"--compare: no such file {args.compare}")
-    if args.gpu or args.dry_run:
+    if args.gpu or args.dry_run or args.profile_once:
         return main_gpu(args, parser)
     if args.cases or args.compare:
-        parser.error("--cases and --compare go with --gpu or --dry-run")
+        parser.error("--cases and --compare go with --gpu, --dry-run or --profile-once")
 
     payload = run(args)
     path = common.write_results("kernel-roofline", payload, args.out)
@@ -1313,10 +1374,12 @@ def main(argv: list[str] | None = None) -> Path:
     return path
 
 
-def main_gpu(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
+def main_gpu(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path | None:
     """``--gpu`` / ``--dry-run``: the table, its JSON + PNG, the text table last; exit 1 when
-    a check failed (after writing)."""
-    cases = PRESETS["gpu" if args.gpu else "dry-run"]
+    a check failed (after writing). ``--profile-once``: the calls alone, nothing written."""
+    cases = PRESETS["dry-run" if args.dry_run else "gpu"]
+    if args.profile_once and not args.cases:
+        args.cases = list(PROFILE_CASES)
     if args.cases:
         known = {c.label(): c for c in cases}
         unknown = [c for c in args.cases if c not in known]
@@ -1330,6 +1393,10 @@ def main_gpu(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
     for name, entry in peers.describe().items():
         if not entry["loaded"]:
             print(f"kernel_roofline: peer {name} skipped: {entry['source']}", file=sys.stderr)
+    if args.profile_once:
+        for line in profile_once(cases, peers):
+            print(line)
+        return None
     payload = run_gpu(
         cases,
         device="cuda" if args.gpu else "cpu",

@@ -1,11 +1,16 @@
 """The GPU benchmarks' code without a GPU: ``kernel_roofline --gpu``'s table run on the CPU
 (``--dry-run``: Triton interpreter, tiny shapes) with stand-in peers loaded from files the way
 a device bundle lays them out, its ratios, acceptance lines and plan records; vLLM's kernel
-found by file; the split rule; the launched-kernel record."""
+found by file; the split rule; the launched-kernel record; ``benchmarks.gpu``'s CPU run; the
+gpu markers' skip reasons; and ``scripts/gpu_check.sh`` refusing cleanly without a GPU and
+running its steps' plumbing on the CPU (``--dry-run``)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 import types
 from pathlib import Path
@@ -17,6 +22,8 @@ pytest.importorskip("triton")
 
 from benchmarks import common, kernel_roofline
 from rocm_mla.kernels.target import TritonTarget
+
+ROOT = Path(__file__).resolve().parents[1]
 
 #: Stand-ins for the bundle's peers (``peers/flash_mla_interface.py`` and
 #: ``peers/vllm_triton_decode.py``): the same call signatures, answered by the torch backend.
@@ -208,10 +215,11 @@ def test_gpu_table_cases_are_issue_37s():
 def test_gpu_mode_refuses_without_a_gpu_and_checks_its_flags(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for argv, message in (
-        (["--gpu"], "--gpu needs a GPU"),
+        (["--gpu"], "--gpu and --profile-once need a GPU"),
+        (["--profile-once"], "--gpu and --profile-once need a GPU"),
         (["--dry-run", "--cases", "B9 ctx1K H16"], "--cases: unknown"),
         (["--gpu", "--grid", "tiny"], "not allowed with argument"),
-        (["--cases", "B2 ctx130 H16"], "go with --gpu or --dry-run"),
+        (["--cases", "B2 ctx130 H16"], "go with --gpu, --dry-run or --profile-once"),
     ):
         with pytest.raises(SystemExit) as exc:
             kernel_roofline.main(argv)
@@ -334,3 +342,85 @@ def test_gpu_marked_tests_name_what_they_need(monkeypatch, tmp_path):
     assert conftest._skip_reason("vllm") == (
         "needs vLLM installed (run `make test-vllm`, which uses its own venv)"
     )
+
+
+def test_profile_once_runs_each_call_untimed(tmp_path):
+    """``--profile-once`` (the ncu pass of gpu_check): our planned call and FlashMLA's, twice
+    each, nothing timed; here on the CPU with the stand-in FlashMLA."""
+    peers_dir = _bundle_peers(tmp_path / "peers")
+    flash, reason = kernel_roofline.flash_mla_module(str(peers_dir))
+    assert reason is None
+    peers = kernel_roofline.Peers(flash=flash, flash_source="stand-in")
+    cases = [kernel_roofline.DRY_RUN_CASES[0], kernel_roofline.DRY_RUN_CASES[1]]
+    lines = kernel_roofline.profile_once(cases, peers, device="cpu")
+    assert lines[0].startswith("ours B2 ctx130 H16: h16 ") and lines[1] == "flashmla B2 ctx130 H16"
+    assert lines[2].startswith("ours B2 ctx130 H16 fp8") and "656-byte" in lines[3]
+    assert len(flash.CALLS) == 2
+
+
+def _gpu_check(tmp_path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
+    env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable)
+    env.pop("TRITON_INTERPRET", None)  # the script's Python starts as a device run's would
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_gpu_check_refuses_cleanly_without_a_gpu(tmp_path):
+    """The one-call GPU suite where torch sees no GPU: one clear line, exit 2, nothing run
+    and nothing written; an unknown flag is refused the same way."""
+    done = _gpu_check(tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("gpu_check: torch sees no GPU") and done.stdout == ""
+    assert not (tmp_path / "out").exists()
+    done = _gpu_check(tmp_path, "--fast")
+    assert done.returncode == 2 and "unknown argument '--fast'" in done.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_the_cpu(tmp_path):
+    """``--dry-run``: the steps in order under their limits, the benchmarks' CPU variants,
+    the four files in $OUT (the tarball holding every log, JSON, PNG and junit XML), and the
+    summary with the step table printed last."""
+    done = _gpu_check(tmp_path, "--dry-run", "--no-suite")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "out"
+    names = sorted(p.name for p in out.iterdir())
+    assert names[0].startswith("gpu-check") and names[-1] == "summary.txt"
+    assert len(names) == 4 and names[1].startswith("kernel-roofline-") and names[2].endswith(".png")
+    import tarfile
+
+    with tarfile.open(out / "gpu-check.tar.gz") as tar:
+        members = {m.name for m in tar.getmembers()}
+    for name in (
+        "./logs/gpu-tests.log",
+        "./logs/kernel-roofline.log",
+        "./logs/bench-gpu.log",
+        "./logs/schedule-gpu.log",
+        "./logs/environment.txt",
+        "./junit-gpu-tests.xml",
+        "./summary.txt",
+    ):
+        assert name in members, (name, sorted(members))
+    assert any(m.startswith("./results/gpu-") and m.endswith(".json") for m in members)
+    summary = (out / "summary.txt").read_text()
+    steps = summary.split("== gpu_check steps")[-1].strip().splitlines()[1:]
+    assert [s.split()[0] for s in steps] == [
+        "gpu-tests",
+        "kernel-roofline",
+        "bench-gpu",
+        "schedule-gpu",
+        "suite",
+    ]
+    assert "tests:" in steps[0] and "skipped" in steps[0]
+    assert steps[-1].endswith("not run: --no-suite")
+    assert "== kernel_roofline --gpu" in summary and "== benchmarks.gpu" in summary
+    assert done.stdout.rstrip().splitlines()[-1].startswith("gpu_check: ")
+    assert "== gpu_check steps" in done.stdout.split("== benchmarks.gpu")[-1]
