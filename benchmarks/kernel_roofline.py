@@ -32,7 +32,8 @@ S_q 1-8, >= 0.85x at H128 S_q 1, fp8/bf16 >= 1.6x at H16 and 1.3x at H128).
 Timing: ``common.device_time`` (``triton.testing.do_bench``, L2 flushed before each call,
 median). ``--budget-s`` skips the shapes left once the run has taken that long (recorded).
 ``--dry-run`` runs the same code on the CPU under the Triton interpreter on tiny shapes
-(no graphs there: the replayed column runs eagerly, and says so), to check it without a GPU.
+(no graphs there: the replayed column runs eagerly, and says so), to check it without a GPU;
+the interpreter truncates bf16, so a real peer kernel run there (vLLM's) fails the check.
 
 Grid mode (``--grid full|tiny``, the default): every available backend of the registry
 (``triton``, ``torch``, ``aiter``), one row per backend and case. The Triton one is timed on
@@ -369,9 +370,13 @@ def _load_file(name: str, file: Path):
     if spec is None or not file.is_file():
         return None, f"{file}: no such file"
     module = importlib.util.module_from_spec(spec)
+    # Registered first, as an import would: code that looks its module up by name
+    # (dataclasses, pickling) finds it.
+    sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # the peer is optional
+        del sys.modules[name]
         return None, f"{file}: {type(exc).__name__}: {exc}"
     return module, None
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import rocm_mla
+
 pytest.importorskip("triton")
 
 from benchmarks import common, kernel_roofline
@@ -424,3 +426,33 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert "== kernel_roofline --gpu" in summary and "== benchmarks.gpu" in summary
     assert done.stdout.rstrip().splitlines()[-1].startswith("gpu_check: ")
     assert "== gpu_check steps" in done.stdout.split("== benchmarks.gpu")[-1]
+
+
+@pytest.mark.parametrize(("kind", "q_len"), [("16bit", 1), ("16bit", 3), ("fp8", 2)])
+def test_vllm_call_matches_the_reference_with_vllms_own_kernel(kind, q_len):
+    """``vllm_call`` sets vLLM's real ``decode_attention_fwd`` up right (cache views, causal
+    verify windows flattened to one row per position, fp8 ``k_scale``): its output is the
+    torch reference's. Runs where the kernel is found (a device bundle's file, or vLLM):
+    on a GPU in bf16, on the CPU through the interpreter in fp16 (it truncates bf16)."""
+    from rocm_mla.inputs import prepare_decode
+
+    fn, source = kernel_roofline.vllm_decode_attention()
+    if fn is None:
+        pytest.skip(f"needs vLLM's Triton MLA kernel: {source}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    lens = torch.tensor([130, 70, q_len + 2], dtype=torch.int32)
+    kv, table, scale = kernel_roofline.build_cache(
+        lens, "fp8" if kind == "fp8" else "bf16", 64, device, 0
+    )
+    kv = kv if kind == "fp8" else kv.to(dtype)
+    q = torch.randn(3, q_len, 16, 576, dtype=dtype, device=device)
+    problem = prepare_decode(
+        q, kv, table, lens.to(device), head_dim_v=512, softmax_scale=None, causal=True,
+        kv_scale=scale,
+    )  # fmt: skip
+    call, reason, info = kernel_roofline.vllm_call(fn, problem, lens)
+    assert reason is None and info["splits"] >= 1
+    out, _ = call()
+    ref, _ = rocm_mla.mla_decode(q, kv, table, lens.to(device), kv_scale=scale, backend="torch")
+    assert kernel_roofline._rel_err(out, ref) < 1e-2
