@@ -600,6 +600,49 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def case_inputs(case: Case, seed: int, device: str, block_size: int = BLOCK_SIZE):
+    """``case``'s inputs, the same for every caller with the same seed: ``(lens_host [B]
+    int32 on the CPU, lens on ``device``, q [B, S_q, H, 576] bf16, kv, block table,
+    kv_scale)``."""
+    gen = torch.Generator().manual_seed(seed)
+    lens_host = lengths_for(case.lengths, case.batch, case.context, gen)
+    kv, table, kv_scale = build_cache(lens_host, case.kv_kind, block_size, device, seed)
+    q = torch.randn(
+        case.batch, case.q_len, case.heads, HEAD_DIM, dtype=torch.bfloat16, device=device
+    )
+    return lens_host, lens_host.to(device), q, kv, table, kv_scale
+
+
+def plan_kwargs(case: Case, q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor) -> dict:
+    """``plan_decode``'s arguments for ``case`` but the lengths; the plan's device is the
+    lengths' own (cuda:0, not cuda), as an engine passes it."""
+    return {
+        "q_len": case.q_len,
+        "num_heads": case.heads,
+        "kv_dtype": kv.dtype,
+        "q_dtype": q.dtype,
+        "device": lens.device,
+        "backend": "triton",
+    }
+
+
+def prepare_decode_unchecked(q, kv, table, lens, kv_scale):
+    """The ``DecodeProblem`` the peers are called with (shapes checked, values not)."""
+    from rocm_mla.inputs import prepare_decode
+
+    return prepare_decode(
+        q,
+        kv,
+        table,
+        lens,
+        head_dim_v=HEAD_DIM_V,
+        softmax_scale=None,
+        causal=True,
+        kv_scale=kv_scale,
+        check_values=False,
+    )
+
+
 def gpu_row(
     case: Case,
     seed: int,
@@ -613,15 +656,8 @@ def gpu_row(
 ) -> dict:
     """One ``--gpu`` row: every column of ``case`` timed, the plans recorded, the checks."""
     import rocm_mla
-    from rocm_mla.inputs import prepare_decode
 
-    gen = torch.Generator().manual_seed(seed)
-    lens_host = lengths_for(case.lengths, case.batch, case.context, gen)
-    kv, table, kv_scale = build_cache(lens_host, case.kv_kind, block_size, device, seed)
-    lens = lens_host.to(device)
-    q = torch.randn(
-        case.batch, case.q_len, case.heads, HEAD_DIM, dtype=torch.bfloat16, device=device
-    )
+    lens_host, lens, q, kv, table, kv_scale = case_inputs(case, seed, device, block_size)
     row = {
         "case": case.label(),
         **dataclasses.asdict(case),
@@ -637,15 +673,7 @@ def gpu_row(
         seconds = common.device_time(fn, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms)
         timings[name] = round(seconds * 1e6, 3)
 
-    # The plan's device is the lengths' own (cuda:0, not cuda), as an engine passes it.
-    plan_args = {
-        "q_len": case.q_len,
-        "num_heads": case.heads,
-        "kv_dtype": kv.dtype,
-        "q_dtype": q.dtype,
-        "device": lens.device,
-        "backend": "triton",
-    }
+    plan_args = plan_kwargs(case, q, kv, lens)
     record_args = {"num_heads": case.heads, "q_len": case.q_len, "kv_dtype": kv.dtype}
 
     plan = rocm_mla.plan_decode(lens_host, block_table=table, kv_cache=kv, **plan_args)
@@ -675,17 +703,7 @@ def gpu_row(
     row["graph_plan"] = common.triton_plan(graph_plan.launch, **record_args)
     timed("ours_graph", replay)
 
-    problem = prepare_decode(
-        q,
-        kv,
-        table,
-        lens,
-        head_dim_v=HEAD_DIM_V,
-        softmax_scale=None,
-        causal=True,
-        kv_scale=kv_scale,
-        check_values=False,
-    )
+    problem = prepare_decode_unchecked(q, kv, table, lens, kv_scale)
     references = {}
     makers = {
         "flashmla": (
@@ -815,6 +833,68 @@ def acceptance(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _warm_case(fields: dict, seed: int, vllm_path: str | None, with_vllm: bool) -> str:
+    """A ``precompile`` worker: ``gpu_row``'s calls of one shape (ours planned, the graph
+    plan's replan + decode, vLLM's), once each, untimed, so that Triton compiles them."""
+    import rocm_mla
+
+    case = Case(**fields)
+    started = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        lens_host, lens, q, kv, table, kv_scale = case_inputs(case, seed, device)
+        kwargs = plan_kwargs(case, q, kv, lens)
+        plan = rocm_mla.plan_decode(lens_host, **kwargs)
+        rocm_mla.mla_decode(q, kv, table, lens, kv_scale=kv_scale, plan=plan)
+        graph_plan = rocm_mla.plan_decode(
+            lens_host, graph_max_seqlen=table.shape[1] * BLOCK_SIZE, **kwargs
+        )
+        rocm_mla.replan_decode(graph_plan, lens)
+        rocm_mla.mla_decode(q, kv, table, lens, kv_scale=kv_scale, plan=graph_plan)
+        fn, _ = vllm_decode_attention(vllm_path) if with_vllm else (None, None)
+        if fn is not None:
+            problem = prepare_decode_unchecked(q, kv, table, lens, kv_scale)
+            call, _, _ = vllm_call(fn, problem, lens_host)
+            if call is not None:
+                call()
+        _sync(device)
+    except Exception as exc:  # the timed run compiles (and reports) what failed here
+        return f"{case.label()}: {type(exc).__name__}: {str(exc)[:200]}"
+    finally:
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    return f"{case.label()}: {time.perf_counter() - started:.1f} s"
+
+
+def precompile(
+    cases: list[Case], *, workers: int, timeout_s: float, vllm_path: str | None, with_vllm: bool
+) -> dict:
+    """Compile every shape's kernels in ``workers`` processes side by side before the timed
+    run: Triton compiles one kernel at a time on one core, and its on-disk cache then hands
+    the timed run each kernel in milliseconds. What is not done in ``timeout_s`` is left to
+    the timed run. Returns ``{workers, wall_s, done: [a line per shape]}``."""
+    import multiprocessing
+
+    started = time.perf_counter()
+    done = []
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers) as pool:
+        pending = [
+            (case, pool.apply_async(
+                _warm_case, (dataclasses.asdict(case), seed, vllm_path, with_vllm)
+            ))
+            for seed, case in enumerate(cases)
+        ]  # fmt: skip
+        for case, result in pending:
+            left = timeout_s - (time.perf_counter() - started)
+            try:
+                done.append(result.get(timeout=max(left, 0.01)))
+            except multiprocessing.TimeoutError:
+                done.append(f"{case.label()}: not done in {timeout_s:g} s")
+        pool.terminate()
+    return {"workers": workers, "wall_s": round(time.perf_counter() - started, 1), "done": done}
+
+
 def run_gpu(
     cases: list[Case],
     *,
@@ -823,10 +903,23 @@ def run_gpu(
     budget_s: float,
     warmup_ms: float,
     rep_ms: float,
+    precompile_workers: int = 0,
+    vllm_path: str | None = None,
 ) -> dict:
     """The ``--gpu`` table over ``cases`` (in order; those left once ``budget_s`` has passed
-    are recorded as skipped)."""
+    are recorded as skipped), after ``precompile`` with ``precompile_workers`` (0: none)
+    for at most 0.6 x ``budget_s``."""
     start = time.perf_counter()
+    warmed = None
+    if precompile_workers > 0:
+        warmed = precompile(
+            cases,
+            workers=precompile_workers,
+            timeout_s=0.6 * budget_s,
+            vllm_path=vllm_path,
+            with_vllm=peers.vllm is not None,
+        )
+        print(f"kernel_roofline: precompiled in {warmed['wall_s']} s", file=sys.stderr)
     copy_bw = (
         common.device_copy_bandwidth()
         if device != "cpu"
@@ -882,6 +975,7 @@ def run_gpu(
         },
         "formula": "bytes = sum(len)*576*kv_bytes + B*S_q*H*(576*q_bytes + 512*out_bytes); "
         "pct_copy = bytes/time/copy bandwidth; pct_datasheet = bytes/time/datasheet",
+        "precompile": warmed,
         "rows": rows,
         "skipped_cases": skipped,
         "acceptance": acceptance(rows),
@@ -900,26 +994,11 @@ def profile_once(cases: list[Case], peers: Peers, *, device: str = "cuda") -> li
     timed: a short process for a profiler (``scripts/gpu_check.sh --ncu``). Returns a line
     per call made."""
     import rocm_mla
-    from rocm_mla.inputs import prepare_decode
 
     done = []
     for seed, case in enumerate(cases):
-        gen = torch.Generator().manual_seed(seed)
-        lens_host = lengths_for(case.lengths, case.batch, case.context, gen)
-        kv, table, kv_scale = build_cache(lens_host, case.kv_kind, BLOCK_SIZE, device, seed)
-        lens = lens_host.to(device)
-        q = torch.randn(
-            case.batch, case.q_len, case.heads, HEAD_DIM, dtype=torch.bfloat16, device=device
-        )
-        plan = rocm_mla.plan_decode(
-            lens_host,
-            q_len=case.q_len,
-            num_heads=case.heads,
-            kv_dtype=kv.dtype,
-            q_dtype=q.dtype,
-            device=lens.device,
-            backend="triton",
-        )
+        lens_host, lens, q, kv, table, kv_scale = case_inputs(case, seed, device)
+        plan = rocm_mla.plan_decode(lens_host, **plan_kwargs(case, q, kv, lens))
         for _ in range(2):
             rocm_mla.mla_decode(q, kv, table, lens, kv_scale=kv_scale, plan=plan)
         record = common.triton_plan(
@@ -927,10 +1006,7 @@ def profile_once(cases: list[Case], peers: Peers, *, device: str = "cuda") -> li
         )
         done.append(f"ours {case.label()}: {common.plan_text(record)}")
         if peers.flash is not None:
-            problem = prepare_decode(
-                q, kv, table, lens, head_dim_v=HEAD_DIM_V, softmax_scale=None, causal=True,
-                kv_scale=kv_scale, check_values=False,
-            )  # fmt: skip
+            problem = prepare_decode_unchecked(q, kv, table, lens, kv_scale)
             call, reason = flash_mla_call(peers.flash, problem)
             if call is None:
                 done.append(f"flashmla {case.label()}: skipped: {reason}")
@@ -1305,6 +1381,13 @@ def main(argv: list[str] | None = None) -> Path | None:
         default=150.0,
         help="--gpu: skip the shapes left once the run has taken this long (default 150)",
     )
+    parser.add_argument(
+        "--precompile",
+        type=int,
+        metavar="N",
+        help="--gpu: compile every shape's kernels in N processes first (default: half the "
+        "cores, at most 8; 0: none)",
+    )
     parser.add_argument("--warmup-ms", type=float, default=5.0, help="--gpu: do_bench warmup")
     parser.add_argument("--rep-ms", type=float, default=25.0, help="--gpu: do_bench repetition")
     parser.add_argument(
@@ -1351,6 +1434,8 @@ def main(argv: list[str] | None = None) -> Path | None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.budget_s <= 0 or args.warmup_ms < 0 or args.rep_ms <= 0:
         parser.error("--budget-s and --rep-ms must be > 0, --warmup-ms >= 0")
+    if args.precompile is not None and args.precompile < 0:
+        parser.error(f"--precompile must be >= 0, got {args.precompile}")
     if args.compare is not None and not args.compare.is_file():
         parser.error(f"--compare: no such file {args.compare}")
     if args.gpu or args.dry_run or args.profile_once:
@@ -1402,6 +1487,9 @@ def main_gpu(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path 
         for line in profile_once(cases, peers):
             print(line)
         return None
+    workers = args.precompile
+    if workers is None:
+        workers = min(8, (os.cpu_count() or 2) // 2) if args.gpu and len(cases) > 1 else 0
     payload = run_gpu(
         cases,
         device="cuda" if args.gpu else "cpu",
@@ -1409,6 +1497,8 @@ def main_gpu(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path 
         budget_s=args.budget_s,
         warmup_ms=args.warmup_ms,
         rep_ms=args.rep_ms,
+        precompile_workers=workers,
+        vllm_path=args.vllm_triton,
     )
     path = common.write_results("kernel-roofline", payload, args.out)
     plot_gpu(payload, path.with_suffix(".png"))

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite in one call, for a session with one short device lease (issue 36, item 5).
 # In this order, each step under its own time limit (seconds; all set by the environment):
-#   1. the gpu-marked tests                                       GPU_CHECK_TESTS_S (120)
-#   2. the benchmarks                                             GPU_CHECK_BENCH_S (180)
+#   1. the gpu-marked tests (4 xdist workers when present)        GPU_CHECK_TESTS_S (120)
+#   2. the benchmarks                                             GPU_CHECK_BENCH_S (200)
 #      kernel_roofline --gpu (issue 37's ratio table, peers beside), benchmarks.gpu
 #      --skip-e2e (one-shot vs planned, graph replay, the device planner alone),
 #      schedule_gpu (the cost model's calibration rows, then GPU_CHECK_MIXES)
@@ -51,7 +51,7 @@ PYTHON="${PYTHON:-python3}"
 OUT="${OUT:-benchmarks/results/gpu-check}"
 budget=${GPU_CHECK_BUDGET_S:-420}
 tests_s=${GPU_CHECK_TESTS_S:-120}
-bench_s=${GPU_CHECK_BENCH_S:-180}
+bench_s=${GPU_CHECK_BENCH_S:-200}
 ncu_s=${GPU_CHECK_NCU_S:-90}
 suite_min=${GPU_CHECK_SUITE_MIN_S:-60}
 mixes=${GPU_CHECK_MIXES:-uniform 8x32K,batch of 1 (32K)}
@@ -190,18 +190,24 @@ fi
 
 # 1. the gpu tests, collected from the files that mark any (collecting the others could wait
 # on a build this step does not need, such as the CPU decode kernel's).
+# Their compiles dominate: xdist runs them side by side.
 mapfile -t gpu_files < <(grep -l 'mark\.gpu' tests/test_*.py)
-step gpu-tests "$tests_s" "ok" "$PYTHON" -m pytest "${pytest_args[@]}" -m gpu \
+xdist=0
+"$PYTHON" -c "import xdist" 2>/dev/null && xdist=1
+gpu_args=("${pytest_args[@]}")
+((xdist && !dry)) && gpu_args+=(-n 4)
+step gpu-tests "$tests_s" "ok" "$PYTHON" -m pytest "${gpu_args[@]}" -m gpu \
 	--junitxml "$work/junit-gpu-tests.xml" "${gpu_files[@]}"
 
-# 2. the benchmarks: the ratio table gets the most; each stops itself before its limit.
+# 2. the benchmarks: the ratio table gets the most (its shapes compile side by side first);
+# each stops itself before its limit.
 bench_end=$((SECONDS + bench_s))
 mode=(--gpu) dry_flag=()
 ((dry)) && mode=(--dry-run) dry_flag=(--dry-run)
 limit=$((bench_s - 70))
 step kernel-roofline "$limit" "ok" "$PYTHON" -m benchmarks.kernel_roofline "${mode[@]}" \
-	--budget-s $((limit - 35)) --out "$work/results"
-limit=$((bench_end - SECONDS - 30))
+	--budget-s $((limit - 30)) --out "$work/results"
+limit=$((bench_end - SECONDS - 35))
 ((limit > 40)) && limit=40
 if ((limit >= 10)); then
 	step bench-gpu "$limit" "ok" "$PYTHON" -m benchmarks.gpu --skip-e2e "${dry_flag[@]}" \
@@ -242,9 +248,7 @@ elif ((limit < suite_min)); then
 else
 	suite_args=("${pytest_args[@]}" -m "not gpu and not vllm and not sglang and not rocm")
 	((dry)) && suite_args+=(--collect-only)
-	if ((!dry)) && "$PYTHON" -c "import xdist" 2>/dev/null; then
-		suite_args+=(-n 8)
-	fi
+	((xdist && !dry)) && suite_args+=(-n 8)
 	step suite "$limit" "ok" "$PYTHON" -m pytest "${suite_args[@]}" \
 		--junitxml "$work/junit-suite.xml" tests
 fi

@@ -116,18 +116,22 @@ def test_vllm_split_rule_without_vllm():
 
 def test_dry_run_table_with_peers_from_files(tmp_path, monkeypatch, capsys):
     """``--dry-run``: every column of the ``--gpu`` table on the CPU, the peers loaded from
-    the bundle layout, 4 forced slots (cut units, the merge), the JSON + PNG and the text
-    table last."""
+    the bundle layout, the shapes precompiled in 2 processes first, 4 forced slots (cut
+    units, the merge), the JSON + PNG and the text table last."""
     peers = _bundle_peers(tmp_path / "peers")
     monkeypatch.setenv("ROCM_MLA_FLASH_MLA", str(peers))
     monkeypatch.delenv(kernel_roofline.VLLM_TRITON_ENV, raising=False)
     # 4 slots for 2 x 3 pieces: both requests cut, so stage 2 merges.
     monkeypatch.setenv("ROCM_MLA_TRITON_SLOTS", "4")
-    path = kernel_roofline.main(["--dry-run", "--out", str(tmp_path / "out")])
+    path = kernel_roofline.main(["--dry-run", "--precompile", "2", "--out", str(tmp_path / "out")])
     out = capsys.readouterr().out
     payload = json.loads(path.read_text())
     assert path.with_suffix(".png").is_file()
     assert payload["mode"] == "dry-run" and payload["skipped_cases"] == []
+    # Two processes compiled every shape's calls first (here: ran them in the interpreter).
+    warmed = payload["precompile"]
+    assert warmed["workers"] == 2 and len(warmed["done"]) == len(kernel_roofline.DRY_RUN_CASES)
+    assert all(line.endswith(" s") for line in warmed["done"]), warmed
     assert payload["peers"]["flashmla"]["loaded"] and payload["peers"]["vllm"]["loaded"]
     rows = {r["case"]: r for r in payload["rows"]}
     assert list(rows) == [c.label() for c in kernel_roofline.DRY_RUN_CASES]
