@@ -460,3 +460,35 @@ def test_vllm_call_matches_the_reference_with_vllms_own_kernel(kind, q_len):
     out, _ = call()
     ref, _ = rocm_mla.mla_decode(q, kv, table, lens.to(device), kv_scale=scale, backend="torch")
     assert kernel_roofline._rel_err(out, ref) < 1e-2
+
+
+def test_a_shape_where_ours_fails_is_a_failed_row_not_the_end_of_the_run(monkeypatch):
+    """One call on a lent GPU: our decode failing on one shape (a compile error, say) or
+    its graph failing is that row's failed check, and the other shapes still run."""
+    real_decode = rocm_mla.mla_decode
+
+    def decode(q, kv, *args, **kwargs):
+        if kv.dtype.itemsize == 1:
+            raise RuntimeError("PassManager::run failed")
+        return real_decode(q, kv, *args, **kwargs)
+
+    def replan(plan, lens):
+        raise ValueError("replan_decode: a stand-in failure")
+
+    monkeypatch.setattr(rocm_mla, "mla_decode", decode)
+    monkeypatch.setattr(rocm_mla, "replan_decode", replan)
+    payload = kernel_roofline.run_gpu(
+        kernel_roofline.DRY_RUN_CASES[:2],
+        device="cpu",
+        peers=kernel_roofline.Peers(),
+        budget_s=1000,
+        warmup_ms=0,
+        rep_ms=1,
+    )
+    bf16, fp8 = payload["rows"]
+    assert bf16["times_us"]["ours"] > 0 and bf16["times_us"]["ours_graph"] is None
+    assert bf16["skipped"]["ours_graph"].startswith("failed: ValueError: replan_decode")
+    assert fp8["plan"] is None and fp8["skipped"]["ours"].startswith("failed: RuntimeError")
+    assert payload["checks_failed"] == ["B2 ctx130 H16", "B2 ctx130 H16 fp8"]
+    text = kernel_roofline.table_text(payload)
+    assert "B2 ctx130 H16 fp8        none: failed: RuntimeError: PassManager" in text
