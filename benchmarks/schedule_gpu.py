@@ -41,14 +41,27 @@ whether the device planner wrote the host planner's tables, and whether the ``de
 output equals ``balanced`` bit for bit. A failed check makes the command exit 1 (after
 writing the results).
 
+Each row records the plan it ran (``plan``: ``common.triton_plan`` of the balanced launch,
+config, slots, residency, segments, partials, Triton, device, a fingerprint, and the stage-1
+kernel as launched: registers, spills, shared memory, the residency they give), printed one
+line per row so that a repeat on another machine can be compared plan by plan.
+
+Calibration rows (``calibration``, run first; ``--parts calibration`` alone), for the
+schedule's cost model (``plan.SPLIT_OVERHEAD_TOKENS``, ``schedule.OVERHEAD_KEYS``), per head
+count of ``--calibration-heads`` (S_q 1, bf16): segments of 1 to 64 pieces filling the
+machine ``CAL_WAVES`` times, whole and cut in two (a segment of one tile against a segment of
+many, with and without its partial and merge), and stage 2 alone merging 2 to 128 partials
+per unit, with the least-squares fits; the fields are documented in ``calibration``.
+
 Output: ``schedule-gpu-<device>-<date>.json`` and ``.png`` (the ratios per mix, one panel per
 shape) under ``--out``, else ``$OUT``, else ``benchmarks/results/``. With no GPU visible to
 torch it prints one line and writes nothing (exit 0). ``--budget-s`` (default 170) skips the
-cases left once the run has taken that long (recorded as skipped), so that the command stays
-under about 3 minutes on an H200 whatever the compiles cost.
+calibration shapes and cases left once the run has taken that long (recorded as skipped), so
+that the command stays under about 3 minutes on an H200 whatever the compiles cost.
 
-    python -m benchmarks.schedule_gpu [--mixes NAME,...] [--heads 16,128] [--no-fp8]
-        [--repeats N] [--warmup N] [--budget-s S] [--flash-mla PATH] [--out DIR]
+    python -m benchmarks.schedule_gpu [--parts calibration,mixes] [--calibration-heads 16,128]
+        [--mixes NAME,...] [--heads 16,128] [--no-fp8] [--repeats N] [--warmup N]
+        [--budget-s S] [--flash-mla PATH] [--out DIR]
 """
 
 from __future__ import annotations
@@ -60,6 +73,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -198,21 +212,18 @@ class Plan:
     uniform: object  #: ScheduleTables
 
 
-def plan_case(case: Case, inputs: Inputs, *, slots: int | None = None, target=None) -> Plan:
-    """The launch ``plan.plan_launch`` plans (config, slots: it compiles stage 1 once per
-    shape for the occupancy), or with ``slots`` given the tuned config of ``target`` (None:
-    this machine's) and that many slots without compiling; then both schedules' tables."""
-    import triton
-
+def shape_launch(case: Case, inputs: Inputs, *, slots: int | None = None, target=None):
+    """``(config, slots)`` of a case: what ``plan.plan_launch`` plans (it compiles stage 1
+    once per shape for the occupancy), or with ``slots`` given the tuned config of
+    ``target`` (None: this machine's) and that many slots without compiling."""
     from rocm_mla.kernels import plan
-    from rocm_mla.kernels import schedule as sch
     from rocm_mla.kernels.mla_decode_args import _group_config, default_config
     from rocm_mla.kernels.target import triton_target
 
     target = triton_target() if target is None else target
     kv = inputs.kv
     if slots is None:
-        config, slots = plan.plan_launch(
+        return plan.plan_launch(
             q_len=case.q_len,
             num_heads=case.heads,
             kv_dtype=kv.dtype,
@@ -223,9 +234,18 @@ def plan_case(case: Case, inputs: Inputs, *, slots: int | None = None, target=No
             page_size=kv.shape[1],
             cache_bytes=kv.numel() * kv.element_size(),
         )
-    else:
-        config = default_config(target, num_heads=case.heads, q_len=case.q_len, kv_dtype=kv.dtype)
-        config = _group_config(config, case.q_len * case.heads)
+    config = default_config(target, num_heads=case.heads, q_len=case.q_len, kv_dtype=kv.dtype)
+    return _group_config(config, case.q_len * case.heads), slots
+
+
+def plan_case(case: Case, inputs: Inputs, *, slots: int | None = None, target=None) -> Plan:
+    """The case's launch (``shape_launch``), then both schedules' tables."""
+    import triton
+
+    from rocm_mla.kernels import plan
+    from rocm_mla.kernels import schedule as sch
+
+    config, slots = shape_launch(case, inputs, slots=slots, target=target)
     groups = triton.cdiv(case.q_len * case.heads, config.block_h)
     lengths = inputs.lengths
     batch = len(lengths)
@@ -326,9 +346,12 @@ def measure(
     repeats: int,
     slots: int | None = None,
     peak_bw: float | None = None,
+    stage1: common.Stage1Kernels | None = None,
 ) -> dict:
     """One row: every schedule timed, the checks, the ratios (``flash``: the FlashMLA module
-    or None, with ``flash_reason`` why not set by the caller in the row's ``skipped``)."""
+    or None, with ``flash_reason`` why not set by the caller in the row's ``skipped``), and
+    the plan (``common.triton_plan`` of the balanced launch; with ``stage1``, the kernel as
+    launched)."""
     import rocm_mla
     from rocm_mla.inputs import prepare_decode
     from rocm_mla.kernels import mla_decode as kernel
@@ -382,7 +405,10 @@ def measure(
             calls["flashmla"] = flash_call
 
     # Correctness first (the first calls also compile, outside any timing).
+    stage1 = stage1 or common.Stage1Kernels()
+    stage1.before()
     outputs = {name: calls[name]() for name in CHECKED}
+    launched = stage1.after(shape=(case.heads, case.q_len, case.kv_kind))
     planner()
 
     def torch_reference():
@@ -472,12 +498,225 @@ def measure(
         "bytes": cost["bytes"],
         "check": check,
         "skipped": skipped,
+        "plan": {
+            **common.triton_plan(
+                types.SimpleNamespace(
+                    config=plan.config, num_slots=plan.slots, schedule=plan.balanced
+                ),
+                num_heads=case.heads,
+                q_len=case.q_len,
+                kv_dtype=inputs.kv.dtype,
+            ),
+            "launched": launched,
+        },
     }
     if peak_bw:
         row["pct_peak_bw"] = {
             name: round(100 * v * 1e9 / peak_bw, 2) if v else None for name, v in gb_per_s.items()
         }
     return row
+
+
+# ---- calibration rows: the planner's cost model, measured ------------------------------------
+
+#: Pieces (``schedule.PIECE_KEYS`` keys each: one or more tiles of BLOCK_N keys) per segment
+#: in the segment rows.
+CAL_PIECES = (1, 2, 4, 16, 64)
+#: Waves of ``slots`` programs each segment row launches: the machine full, a few times over.
+CAL_WAVES = 4
+#: (requests, partials per unit) of the merge rows: one request cut many ways, then a batch.
+CAL_MERGES = ((1, 2), (1, 8), (1, 32), (1, 128), (32, 2), (32, 8), (32, 32))
+CAL_HEADS = (16, 128)
+#: What a run measures (``--parts``), in this order.
+PARTS = ("calibration", "mixes")
+
+
+def _fit(xs: list[float], ys: list[float]) -> dict:
+    """Least squares ``y = fixed + slope * x`` and its residuals."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    fixed = my - slope * mx
+    residuals = [round(y - fixed - slope * x, 3) for x, y in zip(xs, ys, strict=True)]
+    return {"fixed": fixed, "slope": slope, "residuals": residuals}
+
+
+def calibration(
+    heads: int,
+    *,
+    device: str,
+    flush,
+    warmup: int,
+    repeats: int,
+    slots: int | None = None,
+    pieces=CAL_PIECES,
+    waves: int = CAL_WAVES,
+    merges=CAL_MERGES,
+) -> dict:
+    """Rows to calibrate the schedule's cost model on this GPU, at ``heads`` (S_q 1, bf16).
+
+    Segment rows (``segments``): ``waves x slots`` stage-1 programs, each one segment of
+    ``pieces`` pieces (``uniform_schedule`` tables: ``cut`` False, every request whole, so
+    no partial and no merge; ``cut`` True, every request cut in two, so each segment writes
+    a partial and stage 2 merges pairs). Fields: ``pieces``, ``keys``, ``tiles`` (keys /
+    BLOCK_N), ``cut``, ``requests``, ``segments``, ``waves`` (segments / slots),
+    ``time_us`` (the whole call), ``us_per_wave``. ``segment_fit[direct|cut]``: least
+    squares ``us_per_wave = fixed_us + us_per_piece x pieces``, its ``residuals_us``, and
+    ``overhead_keys = PIECE_KEYS x fixed_us / us_per_piece``: a segment's fixed cost in keys,
+    the cost model's ``SPLIT_OVERHEAD_TOKENS`` (``cut`` adds the partial's write and its
+    share of the merge).
+
+    Merge rows (``merges``): stage 2 alone (``merge_states.launch_merge_pieces``) over
+    ``units`` = requests x row groups cut units of ``partials_per_unit`` random partials
+    each; ``time_us``. ``merge_fit[requests]``: ``time_us = fixed_us + us_per_partial x
+    partials_per_unit``, residuals.
+
+    ``slots`` forces the slot count (no occupancy compile: the CPU test).
+    """
+    import triton
+
+    from rocm_mla.kernels import mla_decode as kernel
+    from rocm_mla.kernels import schedule as sch
+    from rocm_mla.kernels.merge_states import launch_merge_pieces
+    from rocm_mla.kernels.mla_decode_args import _partials
+
+    piece = sch.PIECE_KEYS
+    probe_case = Case("calibration", (piece,), heads, "bf16")
+    config, slots = shape_launch(
+        probe_case, build_inputs(probe_case, device, SEED, fill=False), slots=slots
+    )
+    groups = triton.cdiv(heads, config.block_h)
+
+    def timed(fn) -> float:
+        fn()  # compiles, outside the timing
+        seconds = kernel_roofline.kernel_time(
+            fn, flush, device=device, warmup=warmup, repeats=repeats
+        )
+        return round(seconds * 1e6, 3)
+
+    segment_rows = []
+    for count in pieces:
+        for cut in (False, True):
+            per_unit = 2 if cut else 1
+            batch = max(1, waves * slots // (groups * per_unit))
+            case = Case("calibration", (count * piece * per_unit,) * batch, heads, "bf16")
+            inputs = build_inputs(case, device, SEED + count)
+            tables = sch.uniform_schedule(
+                inputs.lengths,
+                num_groups=groups,
+                splits=per_unit,
+                capacity_keys=inputs.capacity_keys,
+                device=inputs.q.device,
+            )
+
+            def call(inputs=inputs, tables=tables):
+                return kernel.mla_decode(
+                    inputs.q, inputs.kv, inputs.block_table, inputs.seqlens,
+                    head_dim_v=HEAD_DIM_V, softmax_scale=SOFTMAX_SCALE, config=config,
+                    schedule=tables,
+                )  # fmt: skip
+
+            time_us = timed(call)
+            segments = batch * groups * per_unit
+            segment_rows.append(
+                {
+                    "pieces": count,
+                    "keys": count * piece,
+                    "tiles": count * piece / config.block_n,
+                    "cut": cut,
+                    "requests": batch,
+                    "segments": segments,
+                    "waves": segments / slots,
+                    "time_us": time_us,
+                    "us_per_wave": round(time_us * slots / segments, 3),
+                }
+            )
+            del inputs, tables
+    segment_fit = {}
+    for name, cut in (("direct", False), ("cut", True)):
+        mine = [r for r in segment_rows if r["cut"] is cut]
+        fit = _fit([r["pieces"] for r in mine], [r["us_per_wave"] for r in mine])
+        segment_fit[name] = {
+            "fixed_us": fit["fixed"],
+            "us_per_piece": fit["slope"],
+            "overhead_keys": piece * fit["fixed"] / fit["slope"] if fit["slope"] > 0 else None,
+            "residuals_us": fit["residuals"],
+        }
+
+    merge_rows = []
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    for requests, parts in merges:
+        units = requests * groups
+        tables = sch.uniform_schedule(
+            [parts * piece] * requests,
+            num_groups=groups,
+            splits=parts,
+            capacity_keys=parts * piece,
+            device=device,
+        )
+        # As a balanced schedule lists them: the cut units, then -1 up to the slot count.
+        split_units = torch.full((max(slots, units),), -1, dtype=torch.int32, device=device)
+        split_units[:units] = torch.arange(units, dtype=torch.int32, device=device)
+        part_out, part_lse = _partials(units * parts, config.block_h, HEAD_DIM_V, device)
+        part_out.normal_(generator=gen)
+        part_lse.normal_(generator=gen)
+        out = torch.empty(requests, heads, HEAD_DIM_V, dtype=torch.bfloat16, device=device)
+        lse = torch.empty(requests, heads, dtype=torch.float32, device=device)
+
+        def merge(parts=(part_out, part_lse), tables=tables, units=split_units, to=(out, lse)):
+            launch_merge_pieces(*parts, tables.unit_parts, units, *to, num_groups=groups)
+
+        merge_rows.append(
+            {
+                "requests": requests,
+                "units": units,
+                "partials_per_unit": parts,
+                "partials": units * parts,
+                "time_us": timed(merge),
+            }
+        )
+        del part_out, part_lse
+    merge_fit = {}
+    for requests in dict.fromkeys(r["requests"] for r in merge_rows):
+        mine = [r for r in merge_rows if r["requests"] == requests]
+        fit = _fit([r["partials_per_unit"] for r in mine], [r["time_us"] for r in mine])
+        merge_fit[str(requests)] = {
+            "fixed_us": fit["fixed"],
+            "us_per_partial": fit["slope"],
+            "residuals_us": fit["residuals"],
+        }
+    return {
+        "heads": heads,
+        "q_len": 1,
+        "kv_dtype": "bfloat16",
+        "config": config.to_dict(),
+        "slots": slots,
+        "groups": groups,
+        "piece_keys": piece,
+        "segments": segment_rows,
+        "segment_fit": segment_fit,
+        "merges": merge_rows,
+        "merge_fit": merge_fit,
+    }
+
+
+def calibration_text(entry: dict) -> str:
+    fit, merge = entry["segment_fit"], entry["merge_fit"]
+    worst = max(abs(v) for f in fit.values() for v in f["residuals_us"])
+    parts = [
+        f"{name} {_fmt(f['fixed_us'], '.2f')} us + {_fmt(f['us_per_piece'], '.3f')} us/piece "
+        f"per wave = {_fmt(f['overhead_keys'], '.0f')} keys"
+        for name, f in fit.items()
+    ]
+    merges = [
+        f"B{req}: {_fmt(f['fixed_us'], '.1f')} us + {_fmt(f['us_per_partial'], '.3f')} us/partial"
+        for req, f in merge.items()
+    ]
+    return (
+        f"calibration H{entry['heads']} ({entry['slots']} slots, BLOCK_N "
+        f"{entry['config']['block_n']}): segment {'; '.join(parts)} (max residual "
+        f"{worst:.2f} us); merge {'; '.join(merges)}"
+    )
 
 
 # ---- the run --------------------------------------------------------------------------------
@@ -493,13 +732,35 @@ def run(
     repeats: int = REPEATS,
     budget_s: float = BUDGET_S,
     slots: int | None = None,
+    calibration_heads: tuple[int, ...] = (),
+    calibration_args: dict | None = None,
 ) -> dict:
-    """Every case in order (inputs built per case, freed after); ``slots`` forces the slot
-    count (no occupancy compile; the CPU test)."""
+    """The calibration rows at ``calibration_heads`` (``calibration``, with
+    ``calibration_args``), then every case in order (inputs built per case, freed after);
+    what is left once ``budget_s`` has passed is recorded as skipped. ``slots`` forces the
+    slot count (no occupancy compile; the CPU test)."""
     start = time.perf_counter()
     flush = kernel_roofline.CacheFlush(device)
     peak_bw = common.peak_bandwidth() if device != "cpu" else None
-    rows, skipped_cases = [], []
+    stage1 = common.Stage1Kernels()
+    rows, skipped_cases, calibrations = [], [], []
+    for heads in calibration_heads:
+        if time.perf_counter() - start > budget_s:
+            skipped_cases.append(
+                {"case": f"calibration H{heads}", "reason": f"time budget {budget_s} s"}
+            )
+            continue
+        entry = calibration(
+            heads,
+            device=device,
+            flush=flush,
+            warmup=warmup,
+            repeats=repeats,
+            slots=slots,
+            **(calibration_args or {}),
+        )
+        calibrations.append(entry)
+        print(calibration_text(entry), flush=True)
     for i, case in enumerate(case_list):
         if time.perf_counter() - start > budget_s:
             skipped_cases.append({"case": case.label(), "reason": f"time budget {budget_s} s"})
@@ -515,6 +776,7 @@ def run(
             repeats=repeats,
             slots=slots,
             peak_bw=peak_bw,
+            stage1=stage1,
         )
         if flash is None:
             row["skipped"]["flashmla"] = flash_reason or "FlashMLA not loaded"
@@ -542,6 +804,7 @@ def run(
         "slots_forced": slots,
         "mixes": {c.mix: list(c.lengths) for c in case_list},
         "rows": rows,
+        "calibration": calibrations,
         "skipped_cases": skipped_cases,
     }
     payload["summary"] = summarize(rows)
@@ -603,6 +866,10 @@ def table_text(payload: dict) -> str:
             f"{worst_lse:.2e})"
         )
     lines.append("(times in us; ratios > 1: balanced is faster)")
+    for r in payload["rows"]:
+        lines.append(f"plan {r['mix'][:34]:<34} {r['shape']:<15} {common.plan_text(r['plan'])}")
+    for entry in payload["calibration"]:
+        lines.append(calibration_text(entry))
     for shape, s in payload["summary"]["by_shape"].items():
         parts = [
             f"{key} geomean {_fmt(v['geomean'], '.3f')} [{_fmt(v['min'], '.3f')}, "
@@ -669,6 +936,18 @@ def main(argv: list[str] | None = None) -> Path | None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.schedule_gpu", description=__doc__.split("\n\n")[0]
     )
+    parser.add_argument(
+        "--parts",
+        type=_csv,
+        default=list(PARTS),
+        help=f"what to run, comma-separated, in this order: {','.join(PARTS)} (default: both)",
+    )
+    parser.add_argument(
+        "--calibration-heads",
+        type=_csv,
+        default=[str(h) for h in CAL_HEADS],
+        help="head counts of the calibration rows (default 16,128)",
+    )
     parser.add_argument("--mixes", type=_csv, help="comma-separated mix names (default: all)")
     parser.add_argument("--heads", type=_csv, default=[str(h) for h in HEADS], help="16,128")
     parser.add_argument("--no-fp8", action="store_true", help="skip the fp8 H16 rows")
@@ -687,11 +966,19 @@ def main(argv: list[str] | None = None) -> Path | None:
     args = parser.parse_args(argv)
     if args.warmup < 0 or args.repeats < 1:
         parser.error("--warmup must be >= 0 and --repeats >= 1")
+    unknown = [p for p in args.parts if p not in PARTS]
+    if unknown or not args.parts:
+        parser.error(f"--parts: expected some of {list(PARTS)}, got {args.parts}")
     try:
         heads = tuple(int(h) for h in args.heads)
+        cal_heads = tuple(int(h) for h in args.calibration_heads)
         case_list = cases(args.mixes, heads=heads, fp8=not args.no_fp8)
     except ValueError as exc:
         parser.error(str(exc))
+    if "mixes" not in args.parts:
+        case_list = []
+    if "calibration" not in args.parts:
+        cal_heads = ()
     if not torch.cuda.is_available():
         print("schedule_gpu: skipped: torch sees no GPU (nothing written)")
         return None
@@ -709,6 +996,7 @@ def main(argv: list[str] | None = None) -> Path | None:
         warmup=args.warmup,
         repeats=args.repeats,
         budget_s=args.budget_s,
+        calibration_heads=cal_heads,
     )
     out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     path = write(payload, out_dir)

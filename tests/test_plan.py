@@ -272,7 +272,7 @@ def test_non_finite_inputs_propagate_as_nan(backend):
     torch.testing.assert_close(out[1], ref_out[1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu("triton")
 def test_planned_triton_call_does_not_sync_on_gpu():
     q, kv, bt, lens = make_paged_problem([4096, 1000, 64, 2048], num_heads=16, seed=10)
     q, kv, bt, lens = (t.cuda() for t in (q, kv.nan_to_num(), bt.clamp(min=0), lens))

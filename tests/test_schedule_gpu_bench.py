@@ -179,6 +179,11 @@ def test_one_case_end_to_end(tmp_path):
     )
     assert row["ratio"]["flashmla/balanced"] is None
     assert payload["summary"]["checks_failed"] == []
+    # The plan the row ran, as every GPU result records it.
+    plan = row["plan"]
+    assert plan["num_slots"] == 3 and plan["config"]["block_h"] == 16
+    assert plan["num_partials"] == row["balanced_partials"] and plan["fingerprint"]
+    assert "launched" in plan and "plan tiny" in bench.table_text(payload)
     path = bench.write(payload, tmp_path)
     assert path.name.startswith("schedule-gpu-") and path.with_suffix(".png").is_file()
     assert json.loads(path.read_text())["rows"][0]["mix"] == "tiny"
@@ -224,3 +229,52 @@ def test_the_flashmla_column(wrong):
         assert not any(check["vs_flashmla"][n]["ok"] for n in bench.CHECKED)
     else:
         assert check["reference"] == "flashmla" and "vs_flashmla" not in check
+
+
+def test_calibration_rows(tmp_path):
+    """The cost model's measurement rows on a tiny scale: segments of 1 and 2 pieces, whole
+    and cut in two (2 forced slots, one wave), stage 2 alone over 2 and 3 partials, the fits
+    through them, and the section they make in the payload."""
+    payload = bench.run(
+        [],
+        device=DEVICE,
+        warmup=0,
+        repeats=1,
+        slots=2,
+        calibration_heads=(16,),
+        calibration_args={"pieces": (1, 2), "waves": 1, "merges": ((1, 2), (1, 3))},
+    )
+    (entry,) = payload["calibration"]
+    assert entry["heads"] == 16 and entry["slots"] == 2 and entry["groups"] == 1
+    rows = entry["segments"]
+    assert [(r["pieces"], r["cut"]) for r in rows] == [(1, False), (1, True), (2, False), (2, True)]
+    for r in rows:
+        assert r["segments"] == 2 and r["waves"] == 1 and r["time_us"] > 0
+        assert r["keys"] == r["pieces"] * PIECE_KEYS
+        assert r["requests"] == (1 if r["cut"] else 2)
+        assert r["tiles"] == r["keys"] / entry["config"]["block_n"]
+    for name in ("direct", "cut"):
+        fit = entry["segment_fit"][name]
+        mine = [r for r in rows if r["cut"] == (name == "cut")]
+        # Two points: the line passes through both.
+        assert fit["us_per_piece"] == pytest.approx(
+            mine[1]["us_per_wave"] - mine[0]["us_per_wave"], abs=1e-3
+        )
+        if fit["us_per_piece"] > 0:
+            assert fit["overhead_keys"] == pytest.approx(
+                PIECE_KEYS * fit["fixed_us"] / fit["us_per_piece"]
+            )
+    merges = entry["merges"]
+    assert [(m["units"], m["partials_per_unit"]) for m in merges] == [(1, 2), (1, 3)]
+    assert all(m["time_us"] > 0 for m in merges)
+    assert set(entry["merge_fit"]) == {"1"}
+    assert payload["rows"] == [] and "calibration H16 (2 slots" in bench.table_text(payload)
+    path = bench.write(payload, tmp_path)
+    assert json.loads(path.read_text())["calibration"][0]["segments"] == rows
+
+
+def test_parts_flag_is_checked(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--parts", "mixes,nope"])
+    assert exc.value.code == 2 and "--parts: expected some of" in capsys.readouterr().err

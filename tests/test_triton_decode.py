@@ -465,7 +465,7 @@ def test_default_configs_compile_for_gpus_without_spilling(backend, arch):
 # ---- real GPUs only -------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu("triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "q_len"), [(16, 1), (128, 2), (20, 4)])
 def test_gpu_production_shapes(dtype, heads, q_len):
@@ -476,7 +476,7 @@ def test_gpu_production_shapes(dtype, heads, q_len):
         assert_same_attention(out, lse, ref_out, ref_lse, TOL[dtype])
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu("triton", "fp8")
 @pytest.mark.parametrize(("heads", "q_len"), [(16, 1), (16, 2), (128, 1)])
 def test_gpu_fp8_cache(heads, q_len):
     """The tuned fp8 path (fp8 dots where the GPU has them) with its rounding modelled."""
