@@ -139,7 +139,6 @@ def test_below_the_floor_the_public_call_names_the_version(monkeypatch):
     problem = make_paged_problem([5, 9], num_heads=4)
     with pytest.raises(ValueError, match=r"Triton 3\.3\.0 is older than .* supports \(3\.5\.1\)"):
         rocm_mla.mla_decode(*problem, backend="triton")
-    assert rocm_mla.mla_decode(*problem)[0].shape == (2, 1, 4, 512)  # auto: torch
 
 
 def test_plan_launch_refuses_below_the_floor_without_compiling(monkeypatch):
@@ -306,6 +305,7 @@ def test_a_real_compile_failure_falls_back_quietly():
     Path(log).unlink()
 
 
+@pytest.mark.slow
 def test_without_pack_args_the_planner_estimates_and_says_so_once():
     """Triton 3.4's ``JITFunction`` has no ``_pack_args``: the residency compile cannot
     specialize, so the slots come from the estimate, said once however often it plans."""
