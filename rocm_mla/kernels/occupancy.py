@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import io
 import json
 import os
@@ -261,7 +262,8 @@ def _compile_stage1_resources(
     except Exception as exc:
         # Whatever the compiler raises (an MLIR pass failure is a bare RuntimeError, ptxas a
         # PTXASError, the front end a CompilationError), this config does not build here.
-        return {"compile_error": _compile_failure(exc, output.text)}
+        launch = repr((signature, constexprs, attrs, options))
+        return {"compile_error": _compile_failure(exc, output.text, launch)}
     sys.stderr.write(output.text)
     if backend == "cuda":
         return {
@@ -316,16 +318,19 @@ def _compiler_output() -> Iterator[_Output]:
             output.text = sink.read().decode(errors="replace") + printed.getvalue()
 
 
-def _compile_failure(exc: Exception, output: str) -> str:
+def _compile_failure(exc: Exception, output: str, launch: str) -> str:
     """One line for a failed compile: the exception's last line, and where the compiler's
-    output went (a file, not the user's terminal)."""
+    output went (a file, not the user's terminal). The file is named by the Triton release
+    and the ``launch`` (its arguments and options), so a process that plans again rewrites
+    it rather than adding one."""
     lines = [line for line in str(exc).splitlines() if line.strip()]
     text = f"{type(exc).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
-    with tempfile.NamedTemporaryFile(
-        "w", prefix="rocm_mla-stage1-", suffix=".log", delete=False
-    ) as log:
-        log.write(f"{type(exc).__name__}: {exc}\n\n{output}")
-    return f"{text} (the compiler's output: {log.name})"
+    digest = hashlib.sha256(launch.encode()).hexdigest()[:12]
+    log = Path(tempfile.gettempdir()) / f"rocm_mla-stage1-triton{triton.__version__}-{digest}.log"
+    with tempfile.NamedTemporaryFile("w", dir=log.parent, delete=False) as part:
+        part.write(f"{type(exc).__name__}: {exc}\n\n{output}")
+    os.replace(part.name, log)
+    return f"{text} (the compiler's output: {log})"
 
 
 def _cubin_registers(cubin: bytes) -> int:
