@@ -20,6 +20,7 @@ from rocm_mla.backends import (
     requested_backend,
 )
 from rocm_mla.integrations.vllm.report import example_decode_line
+from rocm_mla.kernels.target import SUPPORTED_TRITON
 from rocm_mla.platform import current_platform, package_version, torch_build
 
 #: Environment variables that change what this package does.
@@ -55,6 +56,7 @@ def info_dict() -> dict:
             "cuda": torch.version.cuda,
         },
         "triton": package_version("triton") or package_version("pytorch-triton-rocm"),
+        "triton_supported": str(SUPPORTED_TRITON),
         "aiter": package_version("amd-aiter") or package_version("aiter"),
         "backends": backends,
         "selected": requested_backend(),
@@ -79,7 +81,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     t = info["torch"]
     build = t["build"] + (f" {t['hip'] or t['cuda']}" if t["build"] != "cpu" else "")
     print(f"torch:    {t['version']} ({build})")
-    print(f"triton:   {info['triton'] or 'not installed'}")
+    print(f"triton:   {info['triton'] or 'not installed'} (supported: {info['triton_supported']})")
     print(f"aiter:    {info['aiter'] or 'not installed'}")
     print("backends:")
     for name, b in info["backends"].items():

@@ -178,11 +178,14 @@ class TritonMLAImpl(MLADecodeImpl):
     def unavailable_reason(cls) -> str | None:
         if importlib.util.find_spec("triton") is None:
             return _NOT_INSTALLED
-        if _target() is None:
+        target = _target()
+        if target is None:
             from rocm_mla.kernels.target import triton_target_unavailable_reason
 
             return triton_target_unavailable_reason()
-        return None
+        from rocm_mla.kernels.target import unsupported_triton_reason
+
+        return unsupported_triton_reason(target)
 
     @classmethod
     def target(cls) -> str | None:

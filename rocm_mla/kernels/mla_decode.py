@@ -141,23 +141,24 @@ def mla_decode(
     if config is None:
         config = default_config(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_cache.dtype)
     config = _group_config(config, q_len * num_heads)
+    if schedule is None and num_slots is None:
+        # The planner's config, which may differ: it is one the installed Triton compiles.
+        config, num_slots = plan_launch(
+            q_len=q_len,
+            num_heads=num_heads,
+            kv_dtype=kv_cache.dtype,
+            target=target,
+            config=config,
+            q_dtype=q.dtype,
+            head_dim=q.shape[3],
+            head_dim_v=head_dim_v,
+            page_size=kv_cache.shape[1],
+            cache_bytes=kv_cache.numel() * kv_cache.element_size(),
+        )
     rows = q_len * num_heads
     num_groups = triton.cdiv(rows, config.block_h)
     if schedule is None:
-        if num_slots is None:
-            _, num_slots = plan_launch(
-                q_len=q_len,
-                num_heads=num_heads,
-                kv_dtype=kv_cache.dtype,
-                target=target,
-                config=config,
-                q_dtype=q.dtype,
-                head_dim=q.shape[3],
-                head_dim_v=head_dim_v,
-                page_size=kv_cache.shape[1],
-                cache_bytes=kv_cache.numel() * kv_cache.element_size(),
-            )
-        elif isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(
                 f"mla_decode: num_slots must be an int >= 1 or None, got {num_slots!r}"
             )

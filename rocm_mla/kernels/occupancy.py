@@ -3,18 +3,26 @@
 The only module that touches Triton's compiler internals (``triton.compiler``,
 ``triton.backends``, ``triton.runtime``): on sm90, gfx942 and gfx950 it compiles stage 1 for
 the target, as ``mla_decode`` would launch it, and reads the registers and shared memory
-through ``residency``; other targets get an estimate from the config's footprint.
+through ``residency``; other targets get an estimate from the config's footprint, and so do
+those three where the installed Triton's internals are not the ones this compile calls (said
+once on stderr). A config that the compiler rejects raises ``Stage1CompileError``: the
+planner (``plan.plan_launch``) then takes another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,16 +38,21 @@ from rocm_mla.kernels.mla_decode_args import (
 )
 from rocm_mla.kernels.mla_decode_kernel import _mla_decode_stage1
 from rocm_mla.kernels.residency import RESIDENCY_TARGETS, resident_programs
-from rocm_mla.kernels.target import TritonTarget
+from rocm_mla.kernels.target import TritonTarget, say_once
 from rocm_mla.kernels.tuned_configs import LaunchConfig
 from rocm_mla.platform import triton_interpreting
 
-__all__ = ["programs_per_cu"]
+__all__ = ["Stage1CompileError", "programs_per_cu"]
 
 
 #: Per compute unit of a target with no residency model: (shared memory bytes, register file
 #: bytes, resident warps), an A100-like floor.
 _FALLBACK_CU = (164 << 10, 256 << 10, 64)
+
+
+class Stage1CompileError(RuntimeError):
+    """The installed Triton cannot compile stage 1 with a config for a target: its message
+    names the compiler's error and the file holding the compiler's whole output."""
 
 
 def programs_per_cu(
@@ -65,6 +78,11 @@ def programs_per_cu(
     ``page_size`` and ``cache_bytes`` (the KV cache's size: HIP uses buffer loads only below
     2 GiB) only refine the specialization. The interpreter runs one program at a time: 1. Other
     targets get an estimate from the config's footprint (``_estimated_programs_per_cu``).
+
+    Raises ``Stage1CompileError`` when the compiler rejects ``config`` for ``target`` (cached
+    like a success: a config is compiled once per shape either way). Where the installed
+    Triton lacks what the compile calls (3.4 has no ``JITFunction._pack_args``), the estimate
+    stands in for the compiled count and stderr says so once.
     """
     if target is None or target.backend == "interpreter":
         return 1
@@ -73,7 +91,7 @@ def programs_per_cu(
         return _estimated_programs_per_cu(
             config, target, kv_dtype=kv_dtype, head_dim=head_dim, head_dim_v=head_dim_v
         )
-    resources = _compiled_stage1_resources(
+    built = _compiled_stage1_resources(
         config,
         target.backend,
         target.arch,
@@ -86,13 +104,30 @@ def programs_per_cu(
         page_size=page_size,
         large_cache=cache_bytes >= 1 << 31,
     )
-    return max(1, resident_programs(key, num_warps=config.num_warps, **resources))
+    if "internals_differ" in built:
+        say_once(
+            "internals_differ",
+            f"rocm_mla: Triton {triton.__version__} lacks what the planner's residency compile "
+            f"calls ({built['internals_differ']}); stage-1 slots come from the estimated "
+            "residency instead (the schedule may fill fewer or more slots than the GPU holds)",
+        )
+        return _estimated_programs_per_cu(
+            config, target, kv_dtype=kv_dtype, head_dim=head_dim, head_dim_v=head_dim_v
+        )
+    if "compile_error" in built:
+        raise Stage1CompileError(
+            f"Triton {triton.__version__} cannot compile stage 1 for {target}: "
+            f"{built['compile_error']}"
+        )
+    return max(1, resident_programs(key, num_warps=config.num_warps, **built))
 
 
 @functools.lru_cache(maxsize=256)
 def _compiled_stage1_resources(config: LaunchConfig, backend: str, arch: str, **shape) -> dict:
     """Compile stage 1 for (backend, arch) as ``mla_decode`` would launch it and read its
-    registers and shared memory (``residency.resident_programs`` keywords).
+    registers and shared memory (``residency.resident_programs`` keywords), or say why not:
+    ``{"compile_error": ...}`` (the compiler rejected it) or ``{"internals_differ": ...}``
+    (this Triton lacks what the compile calls).
 
     Under ``TRITON_INTERPRET=1`` the ``@triton.jit`` functions of this process are
     interpreter objects that cannot be compiled, so a child process without it compiles.
@@ -149,10 +184,6 @@ def _compile_stage1_resources(
     page_size: int,
     large_cache: bool,
 ) -> dict:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
     here = TritonTarget(backend, arch, 1)
     config = _group_config(config, q_len * num_heads)
     num_groups = triton.cdiv(q_len * num_heads, config.block_h)
@@ -201,23 +232,39 @@ def _compile_stage1_resources(
         target=here,
         dot_types=dot_types,
     )
-    if backend == "cuda":
-        gpu_target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)
-    else:
-        gpu_target = GPUTarget("hip", arch, 64)
     # Triton's own binder: the specialization (divisibility, constexpr 1s, HIP buffer ops)
-    # is the one the runtime makes for these arguments.
-    fn = _mla_decode_stage1
-    compiler = make_backend(gpu_target)
-    binder = create_function_from_signature(fn.signature, fn.params, compiler)
-    kwargs = dict(kwargs, debug=False)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(
-        compiler, kwargs, bound, specialization, options
-    )
-    kernel = triton.compile(
-        ASTSource(fn, signature, constexprs, attrs), target=gpu_target, options=options.__dict__
-    )
+    # is the one the runtime makes for these arguments. These are Triton's internals, not
+    # its API: where a release lacks one (3.4 has no ``_pack_args``) or calls it otherwise,
+    # the caller estimates instead.
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        if backend == "cuda":
+            gpu_target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)
+        else:
+            gpu_target = GPUTarget("hip", arch, 64)
+        fn = _mla_decode_stage1
+        compiler = make_backend(gpu_target)
+        binder = create_function_from_signature(fn.signature, fn.params, compiler)
+        kwargs = dict(kwargs, debug=False)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(
+            compiler, kwargs, bound, specialization, options
+        )
+        source = ASTSource(fn, signature, constexprs, attrs)
+    except (AttributeError, ImportError, TypeError) as exc:
+        return {"internals_differ": f"{type(exc).__name__}: {exc}"}
+    try:
+        with _compiler_output() as output:
+            kernel = triton.compile(source, target=gpu_target, options=options.__dict__)
+    except Exception as exc:
+        # Whatever the compiler raises (an MLIR pass failure is a bare RuntimeError, ptxas a
+        # PTXASError, the front end a CompilationError), this config does not build here.
+        launch = repr((signature, constexprs, attrs, options))
+        return {"compile_error": _compile_failure(exc, output.text, launch)}
+    sys.stderr.write(output.text)
     if backend == "cuda":
         return {
             "regs_per_thread": _cubin_registers(kernel.asm["cubin"]),
@@ -238,6 +285,52 @@ def _compile_stage1_resources(
         "sgprs_per_wave": count(r"\.sgpr_count:\s+(\d+)"),
         "smem_bytes": int(kernel.metadata.shared),
     }
+
+
+class _Output:
+    text = ""
+
+
+#: One compile at a time swaps the process's stderr (threads planning at once).
+_OUTPUT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _compiler_output() -> Iterator[_Output]:
+    """What the compiler prints while compiling, held back (``.text`` once the block ends):
+    file descriptor 2 and Python's stdout. A failing MLIR pass prints its whole module there
+    as a reproducer (hundreds of lines) and ptxas's failure prints its PTX; the planner
+    falls back in one line instead and keeps that output in a file."""
+    output = _Output()
+    with _OUTPUT_LOCK, tempfile.TemporaryFile() as sink:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        printed = io.StringIO()
+        os.dup2(sink.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(printed):
+                yield output
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            output.text = sink.read().decode(errors="replace") + printed.getvalue()
+
+
+def _compile_failure(exc: Exception, output: str, launch: str) -> str:
+    """One line for a failed compile: the exception's last line, and where the compiler's
+    output went (a file, not the user's terminal). The file is named by the Triton release
+    and the ``launch`` (its arguments and options), so a process that plans again rewrites
+    it rather than adding one."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
+    digest = hashlib.sha256(launch.encode()).hexdigest()[:12]
+    log = Path(tempfile.gettempdir()) / f"rocm_mla-stage1-triton{triton.__version__}-{digest}.log"
+    with tempfile.NamedTemporaryFile("w", dir=log.parent, delete=False) as part:
+        part.write(f"{type(exc).__name__}: {exc}\n\n{output}")
+    os.replace(part.name, log)
+    return f"{text} (the compiler's output: {log})"
 
 
 def _cubin_registers(cubin: bytes) -> int:
@@ -267,7 +360,8 @@ def _estimated_programs_per_cu(
     head_dim_v: int,
 ) -> int:
     """Programs per compute unit estimated from the config's footprint, for targets with no
-    residency model (neither sm90 nor gfx942/gfx950).
+    residency model (neither sm90 nor gfx942/gfx950) and for a Triton whose internals the
+    residency compile cannot call.
 
     Shared memory: ``num_stages`` KV tiles (at least one: the dots read it from there).
     Registers: the fp32 accumulator, the Q tile and two ``[BLOCK_H, BLOCK_N]`` fp32 score

@@ -1,17 +1,25 @@
 """Launch planning: the stage-1 config of a decode shape and the resident slots its balanced
-schedule fills (``plan_launch``), and the per-piece overhead that schedule's cost model
-charges. ``choose_num_kv_splits`` is the uniform split count of earlier releases (every
-request of a step cut into the same number of splits), kept as the reference ``rocm-mla
-bench schedule`` measures the balanced schedule against.
+schedule fills (``plan_launch``; a config the installed Triton cannot compile gives way to one
+it can), and the per-piece overhead that schedule's cost model charges.
+``choose_num_kv_splits`` is the uniform split count of earlier releases (every request of a
+step cut into the same number of splits), kept as the reference ``rocm-mla bench schedule``
+measures the balanced schedule against.
 """
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields, replace
+
 import torch
 
 from rocm_mla.kernels.mla_decode_args import _group_config, default_config
-from rocm_mla.kernels.occupancy import programs_per_cu
-from rocm_mla.kernels.target import TritonTarget, triton_target
+from rocm_mla.kernels.occupancy import Stage1CompileError, programs_per_cu
+from rocm_mla.kernels.target import (
+    TritonTarget,
+    say_once,
+    triton_target,
+    unsupported_triton_reason,
+)
 from rocm_mla.kernels.tuned_configs import LaunchConfig
 
 __all__ = ["choose_num_kv_splits", "plan_launch"]
@@ -60,6 +68,46 @@ def choose_num_kv_splits(
     return best
 
 
+def _config_text(config: LaunchConfig, than: LaunchConfig | None = None) -> str:
+    """``config``'s fields as ``name=value``: those that differ from ``than``, or without it
+    the block shapes and every field off its default."""
+
+    def shown(f) -> bool:
+        value = getattr(config, f.name)
+        if than is not None:
+            return value != getattr(than, f.name)
+        return f.default is MISSING or value != f.default
+
+    return " ".join(f"{f.name}={getattr(config, f.name)}" for f in fields(config) if shown(f))
+
+
+def _fallbacks(config: LaunchConfig) -> list[tuple[str, LaunchConfig]]:
+    """What ``plan_launch`` tries, in order, when ``config`` does not compile: each step gives
+    up one more thing, with what it gave up.
+
+    Chosen from what compiles: on sm90 under Triton 3.5.1 and 3.6.0 the software pipeliner
+    fails (an MLIR pass failure) on every fp8 group and every 64-row 16-bit group of
+    ``bench static``'s cases, and one stage compiles all of them. The later steps (the block
+    ids loaded in the tile's own trip, half the keys per tile, 16-bit dots for an fp8
+    cache) also compile there; they are for a config or a Triton that fails otherwise.
+    """
+    steps = []
+    current = config
+
+    def give_up(what: str, **changes) -> None:
+        nonlocal current
+        candidate = replace(current, **changes)
+        if candidate != current:
+            steps.append((what, candidate))
+            current = candidate
+
+    give_up("no software pipelining", num_stages=1, shrunk_num_stages=None)
+    give_up("block ids loaded in the tile's own trip", prefetch_ids=False, shrunk_prefetch_ids=None)
+    give_up("half the keys per tile", block_n=max(16, current.block_n // 2))
+    give_up("16-bit dots", fp8_qk=False, fp8_pv=False, keys_as_m=False, shrunk_keys_as_m=None)
+    return steps
+
+
 def plan_launch(
     *,
     q_len: int,
@@ -82,16 +130,23 @@ def plan_launch(
     compiled kernel's occupancy for this shape; ``page_size`` None assumes 64,
     ``cache_bytes`` is the KV cache's size: HIP uses buffer loads only below 2 GiB). The
     balanced schedule (``schedule.py``) packs the step's keys into that many slots.
+
+    The returned config is the one to launch: when the installed Triton cannot compile the
+    planned one for ``target`` (that compile is the residency's), it is the first of
+    ``_fallbacks`` that compiles, and stderr says so once (the Triton version, the config,
+    what changed). Raises ``RuntimeError`` naming the Triton version when it is below the
+    target's floor (``target.SUPPORTED_TRITON``) or when no fallback compiles either.
     """
     target = triton_target() if target is None else target
     if target is None:
         raise RuntimeError("plan_launch: no Triton target on this machine")
+    reason = unsupported_triton_reason(target)
+    if reason is not None:
+        raise RuntimeError(f"plan_launch: {reason}")
     if config is None:
         config = default_config(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype)
     config = _group_config(config, q_len * num_heads)
-    slots = target.num_cus * programs_per_cu(
-        config,
-        target,
+    shape = dict(
         kv_dtype=kv_dtype,
         head_dim=head_dim,
         head_dim_v=head_dim_v,
@@ -101,4 +156,25 @@ def plan_launch(
         page_size=64 if page_size is None else page_size,
         cache_bytes=cache_bytes,
     )
-    return config, slots
+    try:
+        return config, target.num_cus * programs_per_cu(config, target, **shape)
+    except Stage1CompileError as exc:
+        failure = exc
+    for gave_up, candidate in _fallbacks(config):
+        try:
+            per_cu = programs_per_cu(candidate, target, **shape)
+        except Stage1CompileError:
+            continue
+        say_once(
+            ("fallback", str(target), config, candidate),
+            f"rocm_mla: {failure}; the planned config was {_config_text(config)}. The plan "
+            f"launches it with {_config_text(candidate, config)} instead ({gave_up}), "
+            "possibly slower.",
+        )
+        return candidate, target.num_cus * per_cu
+    raise RuntimeError(
+        f"plan_launch: {failure}; the planned config was {_config_text(config)}, and none of "
+        f"its fallbacks ({', '.join(what for what, _ in _fallbacks(config))}) compiles "
+        "either. Use another backend, or a Triton release the decode supports "
+        "(rocm_mla.kernels.target.SUPPORTED_TRITON)."
+    )

@@ -1,10 +1,13 @@
 """Where Triton kernels compile to on this machine: HIP (arch, CUs), CUDA (sm, SMs), the CPU
-interpreter, or nowhere (and why). Every kernel and the Triton backend ask here.
+interpreter, or nowhere (and why); and which Triton releases the decode supports
+(``SUPPORTED_TRITON``). Every kernel and the Triton backend ask here.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -61,3 +64,85 @@ def triton_target() -> TritonTarget | None:
 def triton_target_unavailable_reason() -> str | None:
     """Why there is no Triton target here (None when ``triton_target()`` is not None)."""
     return _probe()[1]
+
+
+Version = tuple[int, int, int]
+
+
+def _dotted(version: Version) -> str:
+    return ".".join(map(str, version))
+
+
+@dataclass(frozen=True)
+class TritonRange:
+    """The Triton releases the decode is built and checked with, oldest to newest."""
+
+    oldest: Version
+    newest: Version
+    #: Targets that run on an older release than ``oldest``, and that release.
+    older_by_arch: tuple[tuple[str, Version], ...] = ()
+
+    def floor(self, target: TritonTarget) -> Version:
+        """The oldest release supported on ``target``."""
+        return dict(self.older_by_arch).get(target.arch or "", self.oldest)
+
+    def __str__(self) -> str:
+        text = f"{_dotted(self.oldest)} to {_dotted(self.newest)}"
+        by_version: dict[Version, list[str]] = {}
+        for arch, version in self.older_by_arch:
+            by_version.setdefault(version, []).append(arch)
+        for version, archs in by_version.items():
+            text += f", {_dotted(version)} on {' and '.join(archs)}"
+        return text
+
+
+#: The Triton releases this package supports, the one place that says so (README, ``rocm-mla
+#: info`` and docs/architecture.md name it; ``benchmarks/kernel_static.py`` compiles every
+#: planned launch under them). Below a target's floor the Triton backend is unavailable.
+#: AMD's targets reach back to 3.4.0 because ROCm images carry their own Triton (SGLang's
+#: ROCm 7.0 image has 3.4) and the package never installs one over it; sm90 needs 3.5.1.
+SUPPORTED_TRITON = TritonRange(
+    oldest=(3, 5, 1),
+    newest=(3, 9, 0),
+    older_by_arch=(("gfx942", (3, 4, 0)), ("gfx950", (3, 4, 0))),
+)
+
+
+def triton_version() -> Version | None:
+    """The installed Triton's release (``3.4.0+rocm7.0.0`` -> ``(3, 4, 0)``), or None when
+    its version string does not start with one."""
+    import triton
+
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", triton.__version__)
+    if found is None:
+        return None
+    major, minor, patch = found.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def unsupported_triton_reason(target: TritonTarget) -> str | None:
+    """Why the installed Triton cannot run the decode on ``target`` (older than its floor in
+    ``SUPPORTED_TRITON``), or None. A newer release than the newest checked one is allowed."""
+    version = triton_version()
+    floor = SUPPORTED_TRITON.floor(target)
+    if version is None or version >= floor:
+        return None
+    import triton
+
+    return (
+        f"Triton {triton.__version__} is older than {target} supports ({_dotted(floor)}); "
+        f"rocm-mla supports Triton {SUPPORTED_TRITON}: install a torch whose Triton is in that "
+        "range, or use another backend"
+    )
+
+
+_SAID: set[object] = set()
+
+
+def say_once(key: object, message: str) -> None:
+    """Print ``message`` on stderr the first time ``key`` comes, never again in this process
+    (the planner's fallbacks: one line per distinct cause, however often it plans)."""
+    if key in _SAID:
+        return
+    _SAID.add(key)
+    print(message, file=sys.stderr, flush=True)
