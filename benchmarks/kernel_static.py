@@ -43,8 +43,11 @@ gates, as measured now:
   refuses by name (a ``ValueError``, e.g. a Triton below the target's floor) is not
   applicable; any other failure fails, and the case's other gates are not computed.
 - ``no_spills``: no spill in any of the three kernels (the planner included).
-- ``issued_over_useful``, ``fp8_matrix_op``, ``kv_loads_overlap``,
-  ``guard_without_round_trip``: stage 1's KV loop, unchanged.
+- ``issued_over_useful``, ``kv_loads_overlap``, ``guard_without_round_trip``: stage 1's KV
+  loop, unchanged.
+- ``fp8_matrix_op``: with an fp8 cache the loop's Q.K^T runs fp8 matrix ops and no matrix op
+  is bf16 (P.V runs fp16 on V converted as loaded; before issue 37 it ran fp8, which needs
+  V transposed byte by byte).
 - ``whole_waves``: the grid is exactly one wave (``S`` programs, ``S / units`` the compiled
   residency: waves 1.0), and at B >= 8 the schedule keeps that wave busy: the mean slot's
   cost (its segments' keys plus an overhead each, the schedule's cost model) is at least
@@ -1308,10 +1311,17 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
         for key in {b["stage1"] for b in per_batch}
     }
     shape_of = _sass_matrix_shape if target.backend == "cuda" else _amd_matrix_shape
+    # An fp8 cache: Q.K^T runs fp8 matrix ops on the tile as stored, P.V fp16 ones on V
+    # converted as loaded (an fp8 P.V needs V transposed byte by byte: the narrow gate); a
+    # bf16 op means the tile was upcast to q's type, the fp8 cache's bytes bought nothing.
     result["fp8_matrix_op"] = _gate(
         case.kv == "fp8",
-        all(ops and all(shape_of(op)[3] == "fp8" for op in ops) for ops in kinds.values()),
-        {"loop_matrix_ops": kinds},
+        all(
+            any(shape_of(op)[3] == "fp8" for op in ops)
+            and not any("BF16" in op.upper() for op in ops)
+            for ops in kinds.values()
+        ),
+        {"rule": "fp8 Q.K^T, no bf16 matrix op (P.V fp16)", "loop_matrix_ops": kinds},
     )
     kv = {b["batch"]: b["kv"] for b in per_batch}
     if target.backend == "cuda":

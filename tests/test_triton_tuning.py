@@ -105,7 +105,7 @@ def test_lookup_prefers_the_most_specific_entry():
     gfx950 = TritonTarget("hip", "gfx950", 256)
     fp8_950 = kernel.default_config(gfx950, num_heads=128, kv_dtype=torch.float8_e4m3fn)
     assert fp8_950.fp8_qk and not fp8_950.fp8_pv
-    assert (fp8_950.rows_per_warp, fp8_950.block_n) == (16, 32)
+    assert (fp8_950.rows_per_warp, fp8_950.block_n) == (16, 16)
     fp8_950_h16 = kernel.default_config(gfx950, num_heads=16, kv_dtype=torch.float8_e4m3fn)
     assert fp8_950_h16.fp8_qk and fp8_950_h16.rows_per_warp is None
     # A hip arch without its own table keeps gfx942's shapes, minus XCD remap and kpack.
@@ -113,27 +113,31 @@ def test_lookup_prefers_the_most_specific_entry():
     assert other.num_xcds == 1 and other.kpack is None and other.block_n == h16.block_n
 
 
-def test_sm90_configs_per_group_size_and_amd_is_marked_unmeasured():
+@pytest.mark.parametrize(("release", "keys_64"), [((3, 9), 64), ((3, 8), 32)])
+def test_sm90_configs_per_group_size_and_amd_is_marked_unmeasured(release, keys_64):
     """sm90 bf16: the issue-17 sweep's 64 x 64 tile on 8 warps, two stages for a 64-row
-    (wgmma) group; a group shrunk under 64 rows (mma.sync) takes three stages with the block
-    ids a trip ahead. Both unmeasured in this form (compiled evidence only)."""
+    (wgmma) group (Triton 3.8: 32-key tiles, three stages, where 64 keys spill); a group
+    shrunk under 64 rows (mma.sync) takes three stages and 64 keys with the block ids a trip
+    ahead. All unmeasured in this form (compiled evidence only)."""
+    stages_64 = 2 if keys_64 == 64 else 3
     for heads, q_len, rows, stages, prefetch in (
-        (128, 1, 64, 2, False),
-        (128, 2, 64, 2, False),
-        (48, 1, 64, 2, False),
+        (128, 1, 64, stages_64, False),
+        (128, 2, 64, stages_64, False),
+        (48, 1, 64, stages_64, False),
         (16, 1, 16, 3, True),
         (24, 1, 32, 3, True),
         (96, 1, 32, 3, True),
         (12, 8, 32, 3, True),
     ):
-        entry = kernel.table_entry(SM90, num_heads=heads, q_len=q_len, kv_dtype=torch.bfloat16)
-        assert (entry.config.block_h, entry.config.block_n, entry.config.num_warps) == (64, 64, 8)
+        entry = tables.lookup("sm90", heads, q_len, torch.bfloat16, release)
+        assert (entry.config.block_h, entry.config.num_warps) == (64, 8)
         assert entry.source.startswith("unmeasured")
         group = mla_decode_args._group_config(entry.config, heads * q_len)
         assert (group.block_h, group.num_stages, group.prefetch_ids) == (rows, stages, prefetch)
-        assert group.num_warps == 8 and group.block_n == 64
-    # fp8: 64-row groups on wgmma (rows as M); a group shrunk under 64 rows has keys as M
-    # (wgmma's N is its rows), 64-key tiles, three stages, the block ids a trip ahead.
+        assert group.num_warps == 8 and group.block_n == (keys_64 if rows == 64 else 64)
+    # fp8 (every release): 64-row groups on wgmma (rows as M) in 32-key tiles; a group
+    # shrunk under 64 rows has keys as M (wgmma's N is its rows), 64-key tiles, three
+    # stages, the block ids a trip ahead.
     for heads, q_len, rows, keys_as_m, stages in (
         (128, 1, 64, False, 3),
         (128, 2, 64, False, 3),
@@ -145,11 +149,11 @@ def test_sm90_configs_per_group_size_and_amd_is_marked_unmeasured():
         (12, 1, 16, True, 3),
     ):
         fp8 = torch.float8_e4m3fn
-        entry = kernel.table_entry(SM90, num_heads=heads, q_len=q_len, kv_dtype=fp8)
+        entry = tables.lookup("sm90", heads, q_len, fp8, release)
         assert entry.source.startswith("unmeasured") and entry.config.fp8_qk
         group = mla_decode_args._group_config(entry.config, heads * q_len)
         assert (group.block_h, group.keys_as_m, group.num_stages) == (rows, keys_as_m, stages)
-        assert group.block_n == 64 and group.num_warps == 8
+        assert group.block_n == (32 if rows == 64 else 64) and group.num_warps == 8
         assert group.prefetch_ids == keys_as_m
     for key, table in tables.TABLES.items():
         if key in ("gfx942", "gfx950"):
@@ -258,6 +262,7 @@ def test_plan_launch_shrinks_rows_and_never_reads_a_tensor(monkeypatch):
     assert config.block_h == 16 and slots >= SM90.num_cus
     config, _ = kernel.plan_launch(q_len=2, num_heads=16, kv_dtype=torch.bfloat16, target=SM90)
     assert config.block_h == 32
+    monkeypatch.undo()  # the launch's own argument checks read the lengths once
     with pytest.raises(ValueError, match="num_slots"):
         q, kv, bt, lens = prepared([5], heads=16, q_len=1)
         run_kernel(q, kv, bt, lens, config=config, cut=False, slots=0)
@@ -563,11 +568,11 @@ def test_dot_types_per_target():
     )
     assert sm80["K_DTYPE"] == tl.bfloat16 and not sm80["QK_FP8"] and sm80["P_SCALE"] == 1.0
     # fp8 P.V on sm90 takes V through registers; without it V is upcast to fp16 as loaded,
-    # behind an opaque move (PTX on NVIDIA, amdgcn on AMD), and P is not lifted.
+    # behind an opaque move (NVIDIA) or a select of the keys in range (AMD); P is not lifted.
     assert sm90["V_MODE"] == "fp8_registers" and gfx942["V_MODE"] == "direct"
     assert sm80["V_MODE"] == "upcast_ptx" and sm80["V_DTYPE"] == tl.float16
     fp16_pv = replace(cfg, fp8_pv=False)
-    for target, mode in ((SM90, "upcast_ptx"), (GFX942, "upcast_amdgcn")):
+    for target, mode in ((SM90, "upcast_ptx"), (GFX942, "upcast_masked")):
         types = mla_decode_args._dot_types(torch.bfloat16, torch.float8_e4m3fn, target, fp16_pv)
         assert (types["V_MODE"], types["V_DTYPE"], types["P_SCALE"]) == (mode, tl.float16, 1.0)
         assert types["QK_FP8"] and not types["PV_FP8"]

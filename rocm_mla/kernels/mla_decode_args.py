@@ -152,7 +152,7 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
     else:
         # fp16, not q's bf16: fp8 values convert to it exactly in one step, and P (<= 1)
         # keeps 3 more mantissa bits.
-        v_mode = "upcast_ptx" if target.backend == "cuda" else "upcast_amdgcn"
+        v_mode = "upcast_ptx" if target.backend == "cuda" else "upcast_masked"
         v_dtype = torch.float32 if upcast == torch.float32 else torch.float16
     return {
         "K_DTYPE": _TL_DTYPES[kv_dtype if qk_fp8 and not interpreting else upcast],

@@ -19,10 +19,12 @@ Stage 2: the exact LSE merge of the partials (``merge_states.launch_merge_pieces
 
 fp8 caches carry one per-tensor dequant scale: it multiplies the softmax scale for ``Q K^T``
 and the output for ``P V``, so tiles are never rescaled inside the loop. Where the hardware
-has fp8 dots (sm89+, gfx942, gfx950) the tiles feed them as they are: Q is quantized per row
-once per call before stage 1 (``quantize_q``; its scale joins that row's softmax scale) and
-the softmax weights are quantized with a fixed power-of-two lift. Elsewhere the tiles are
-upcast to Q's 16-bit type.
+has fp8 dots (sm89+, gfx942, gfx950) ``Q K^T`` takes the tile as it is, Q quantized per row
+once per call before stage 1 (``quantize_q``; its scale joins that row's softmax scale);
+``P V`` runs in fp16 on V converted as it is read (an fp8 V operand would be transposed
+byte by byte: ``_attend_tile``), or, with a config's ``fp8_pv``, in fp8 with the softmax
+weights quantized under a fixed power-of-two lift. Without fp8 dots the tiles are upcast to
+Q's 16-bit type.
 
 Non-finite input is never mistaken for "no key": a NaN or infinite score of a key a row may
 see (NaN/Inf in q or in a visible cache element, an overflowing scale) makes that row's out
@@ -111,19 +113,16 @@ def _fold_scores(
 
 
 @triton.jit
-def _opaque_upcast(x, V_DTYPE: tl.constexpr, PTX: tl.constexpr):
-    """``x`` converted to ``V_DTYPE`` in its own layout, behind a move the compiler cannot
-    see through (``_attend_tile``: why)."""
+def _opaque_upcast(x, V_DTYPE: tl.constexpr):
+    """``x`` converted to ``V_DTYPE`` in its own layout, behind a PTX move the compiler
+    cannot see through (a move with side effects: a pure one is moved past like any
+    elementwise op), so the conversion stays where the tile was read wide (``_attend_tile``:
+    why)."""
     x = x.to(V_DTYPE)
     PACK: tl.constexpr = 2 if V_DTYPE.primitive_bitwidth == 16 else 1
-    if PTX:
-        return tl.inline_asm_elementwise(
-            "mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=PACK
-        )
-    else:
-        return tl.inline_asm_elementwise(
-            "v_mov_b32 $0, $1", "=v,v", [x], dtype=x.dtype, is_pure=False, pack=PACK
-        )
+    return tl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=PACK
+    )
 
 
 @triton.jit
@@ -303,23 +302,30 @@ def _attend_tile(
                 other=0.0,
             )
     # How V reaches P.V (``mla_decode_args._dot_types``). An fp8 cache: P.V runs in 16 bits
-    # ("upcast_ptx" / "upcast_amdgcn"), because a K-major fp8 operand would need V (keys x
+    # ("upcast_ptx" / "upcast_masked"), because a K-major fp8 operand would need V (keys x
     # Dv, Dv contiguous) transposed byte by byte through shared memory (sm90: 128 STS.U8 or
     # LDS.U8 a tile, a 29-way bank conflict; gfx942: 256 ds_read_u8), while a 16-bit one is
-    # read transposed by the hardware (ldmatrix.trans, wgmma's MN-major operand, gfx950's
-    # transposing LDS reads). The tile is converted in registers as it was read (wide); an
-    # opaque move then keeps Triton from sinking the conversion past the operand's layout
-    # change, which would read the fp8 tile in the operand's transposed layout again.
-    # Q.K^T keeps fp8 (K is K-major as stored). "fp8_registers": fp8 P.V on NVIDIA
-    # (fp8 wgmma reads K-major operands only): a no-op bitcast on the loaded tile leaves its
-    # load a plain dot operand, which Triton copies asynchronously into the pipelined shared
-    # buffers, and the transpose reads it from there; with V's dot as its only other use,
-    # the load itself would go to registers, synchronously.
-    if V_MODE == "upcast_ptx" or V_MODE == "upcast_amdgcn":
-        kv_nope = _opaque_upcast(kv_nope, V_DTYPE, V_MODE == "upcast_ptx")
+    # read transposed by the hardware (ldmatrix.trans, wgmma's MN-major operand, LDS u16
+    # reads, gfx950's transposing ones). The tile is converted in registers as it was read
+    # (wide); something the compiler cannot move the operand's layout change past must
+    # follow, or it reads the fp8 tile in that (transposed) layout again and converts after.
+    # NVIDIA: an opaque move (a masked select cost 250-320 more loop instructions there).
+    # AMD: a select of the keys in range (what the load already zeroed), since Triton 3.8's
+    # AMD pipeliner cannot predicate an opaque move it runs a trip early. Q.K^T keeps fp8
+    # (K is K-major as stored).
+    if V_MODE == "upcast_ptx":
+        kv_nope = _opaque_upcast(kv_nope, V_DTYPE)
         if DV_CHUNKS == 2:
-            kv_nope_hi = _opaque_upcast(kv_nope_hi, V_DTYPE, V_MODE == "upcast_ptx")
+            kv_nope_hi = _opaque_upcast(kv_nope_hi, V_DTYPE)
+    elif V_MODE == "upcast_masked":
+        kv_nope = tl.where(in_range[:, None], kv_nope.to(V_DTYPE), 0.0)
+        if DV_CHUNKS == 2:
+            kv_nope_hi = tl.where(in_range[:, None], kv_nope_hi.to(V_DTYPE), 0.0)
     elif V_MODE == "fp8_registers":
+        # fp8 P.V on NVIDIA (fp8 wgmma reads K-major operands only): a no-op bitcast on the
+        # loaded tile leaves its load a plain dot operand, which Triton copies asynchronously
+        # into the pipelined shared buffers, and the transpose reads it from there; with V's
+        # dot as its only other use, the load itself would go to registers, synchronously.
         kv_nope = kv_nope.to(tl.int8, bitcast=True).to(V_DTYPE, bitcast=True)
         if DV_CHUNKS == 2:
             kv_nope_hi = kv_nope_hi.to(tl.int8, bitcast=True).to(V_DTYPE, bitcast=True)

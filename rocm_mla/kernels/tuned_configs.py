@@ -204,16 +204,19 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
         ("*", "*", "fp8"): TableEntry(
             LaunchConfig(
                 block_h=64,
-                block_n=64,
+                block_n=32,
                 num_warps=8,
                 num_stages=3,
                 fp8_qk=True,
+                shrunk_block_n=64,
                 shrunk_prefetch_ids=True,
                 shrunk_keys_as_m=True,
             ),
-            "unmeasured: the bf16 winner with fp8 dots (half the tile bytes, no upcast); "
-            "compiled for sm90: a group under 64 rows runs keys as M (issued/useful 1.0 at "
-            "16 and 32 rows, against 4.0 and 2.0 as rows), three KV smem buffers, no spills",
+            "unmeasured: compiled for sm90 with Triton 3.8.0 and 3.9.0: fp8 Q.K^T, fp16 P.V "
+            "(V converted as read: no byte-wide shared access); 64-row groups in 32-key "
+            "tiles (247-255 registers, no spills; 64 keys spill 24-56 B), a group under 64 "
+            "rows runs keys as M in 64-key tiles (issued/useful 1.0 at 16 and 32 rows), "
+            "three KV smem buffers",
         ),
         # fp32 tiles are twice the bytes: three 64-key stages would not fit.
         ("*", "*", "fp32"): TableEntry(
@@ -257,14 +260,12 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
         ),
         # fp8 rows owned per wave fit since Q arrives quantized (quantize_q) and the softmax
         # step shares the dots' block (mla_decode_kernel._attend_tile: each wave 16 rows of both
-        # dots): 32 keys (the fp8 MFMA's K for P.V), V in two halves, no spills at any case
-        # of bench static. Two stages (the next tile in registers, one LDS slot): with
-        # three, the 32-row groups of a causal verify window (H12 S_q 8, H24 S_q 4) spill
-        # 57 VGPRs (gfx950: 21). Owning its rows, each wave reads the whole V tile for P.V,
-        # byte by byte on gfx942 (no transposing LDS read): 256 ds_read_u8 a tile, 1051 loop
-        # instructions and 2 barriers at H128, against 874 and 10 when the waves split the
-        # score tile 2 x 2 and share P through LDS (the softmax step in a branch). Which is
-        # faster is unmeasured.
+        # dots): 32 keys (the fp8 MFMA's K), V in two halves, no spills at any case of bench
+        # static. Two stages (the next tile in registers, one LDS slot): with three, the
+        # 32-row groups of a causal verify window (H12 S_q 8, H24 S_q 4) spill 57 VGPRs
+        # (gfx950: 21). P.V runs fp16 on V converted as read (ds_read_b128): an fp8 P.V
+        # read V byte by byte here (gfx942 has no transposing LDS read), 256 ds_read_u8 a
+        # tile; now 128 ds_read_u16 of the fp16 copy, as a bf16 cache does.
         **_row_owned(
             "gfx942",
             bf16=LaunchConfig(
@@ -325,7 +326,9 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
                 prefetch_ids=True,
                 **_AMD_KNOBS,
             ),
-            fp8=_AMD_FP8_ROW_OWNED,
+            # 16-key tiles: at 32 keys the 32-row groups (H96) spill 15 VGPRs (Triton 3.9),
+            # 66 (3.8), with P.V's fp16 copy of V.
+            fp8=replace(_AMD_FP8_ROW_OWNED, block_n=16),
         ),
         # fp32 tiles spill 100-130 VGPRs with 8 warps (Triton 3.9), with or without stages.
         ("*", "*", "fp32"): TableEntry(
@@ -374,14 +377,6 @@ RELEASE_TABLES: dict[str, tuple[tuple[tuple[int, int], dict[Key, TableEntry]], .
                     ),
                     "unmeasured: compiled with Triton 3.8.0 for sm90: 64-row groups in 32-key "
                     "tiles (254 registers, no spills; 64 keys spill 36-80 B), smaller groups "
-                    "as on 3.9",
-                ),
-                ("*", "*", "fp8"): TableEntry(
-                    replace(
-                        TABLES["sm90"][("*", "*", "fp8")].config, block_n=32, shrunk_block_n=64
-                    ),
-                    "unmeasured: compiled with Triton 3.8.0 for sm90: 64-row groups in 32-key "
-                    "tiles (255 registers, no spills; 64 keys spill 16-56 B), smaller groups "
                     "as on 3.9",
                 ),
             },
