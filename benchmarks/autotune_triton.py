@@ -380,6 +380,11 @@ def main(argv: list[str] | None = None) -> Path:
     ]
     if args.shape:
         shapes = [_parse_shape(text, parser) for text in args.shape]
+    out = args.out or (
+        common.RESULTS_DIR / f"triton-tuned-{key}-{common.device_slug()}-"
+        f"{datetime.date.today().isoformat()}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
     for heads, q_len, kv_kind, batch, context in shapes:
         args.batch, args.context = batch, context
         result = tune_bucket(target, heads, q_len, kv_kind, args)
@@ -404,20 +409,16 @@ def main(argv: list[str] | None = None) -> Path:
             | result
         )
         print(f"H{heads} S_q{q_len} {kv_kind}: {source}", file=sys.stderr)
-    payload = {
-        "target": key,
-        "device": device,
-        "environment": common.environment(),
-        "entries": entries,
-        "sweeps": report,
-    }
-    out = args.out or (
-        common.RESULTS_DIR / f"triton-tuned-{key}-{common.device_slug()}-"
-        f"{datetime.date.today().isoformat()}.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    tables.load_table_file(out)  # the file must load as a table
+        # Written after every shape: a run stopped at its time limit keeps what it measured.
+        payload = {
+            "target": key,
+            "device": device,
+            "environment": common.environment(),
+            "entries": entries,
+            "sweeps": report,
+        }
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        tables.load_table_file(out)  # the file must load as a table
     print(f"wrote {out}; use it with ROCM_MLA_TRITON_CONFIGS={out}")
     return out
 

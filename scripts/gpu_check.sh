@@ -8,6 +8,9 @@
 #      schedule_gpu (the cost model's calibration rows, then GPU_CHECK_MIXES)
 #   (--ncu) Nsight Compute on our stage-1 kernel and FlashMLA's at GPU_CHECK_NCU_CASES
 #                                                                 GPU_CHECK_NCU_S (90)
+#   (--tune) benchmarks.autotune_triton --focused on issue 37's weak shapes, candidates
+#      compiled side by side first; the measured table (triton-tuned-*.json) goes into
+#      the tarball, written after each shape                      GPU_CHECK_TUNE_S (150)
 #   3. the whole suite (the gpu tests ran in 1), with what is left of GPU_CHECK_BUDGET_S
 #      (420 in all); skipped, with a line saying so, when less than GPU_CHECK_SUITE_MIN_S
 #      (60) is left.
@@ -29,11 +32,12 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
-usage="usage: bash scripts/gpu_check.sh [--ncu] [--no-suite] [--dry-run]"
-ncu=0 suite=1 dry=0
+usage="usage: bash scripts/gpu_check.sh [--ncu] [--tune] [--no-suite] [--dry-run]"
+ncu=0 tune=0 suite=1 dry=0
 for arg in "$@"; do
 	case "$arg" in
 	--ncu) ncu=1 ;;
+	--tune) tune=1 ;;
 	--no-suite) suite=0 ;;
 	--dry-run) dry=1 ;;
 	-h | --help)
@@ -53,10 +57,12 @@ budget=${GPU_CHECK_BUDGET_S:-420}
 tests_s=${GPU_CHECK_TESTS_S:-120}
 bench_s=${GPU_CHECK_BENCH_S:-200}
 ncu_s=${GPU_CHECK_NCU_S:-90}
+tune_s=${GPU_CHECK_TUNE_S:-150}
+tune_shapes=${GPU_CHECK_TUNE_SHAPES:-128,1,bf16,64,8192 128,2,bf16,64,8192 16,4,bf16,32,16384 16,1,bf16,64,8192 16,1,fp8,128,16384 128,1,fp8,64,8192}
 suite_min=${GPU_CHECK_SUITE_MIN_S:-60}
 mixes=${GPU_CHECK_MIXES:-uniform 8x32K,batch of 1 (32K)}
 ncu_cases=${GPU_CHECK_NCU_CASES:-B64 ctx8K H128,B128 ctx16K H16 fp8}
-for name in budget tests_s bench_s ncu_s suite_min; do
+for name in budget tests_s bench_s ncu_s tune_s suite_min; do
 	[[ "${!name}" =~ ^[0-9]+$ ]] || {
 		echo "gpu_check: the limit $name must be whole seconds, got '${!name}'" >&2
 		exit 2
@@ -235,6 +241,18 @@ if ((ncu)); then
 			--section LaunchStats --section WarpStateStats --section SchedulerStats \
 			--section ComputeWorkloadAnalysis --section SourceCounters \
 			"$PYTHON" -m benchmarks.kernel_roofline --profile-once --cases "$ncu_cases"
+	fi
+fi
+
+# The optional autotune of the weak shapes (--focused candidates, compiled side by side).
+if ((tune)); then
+	if ((dry)); then
+		printf 'tune\t-\t0\t%s\tnot run: --dry-run\n' "$tune_s" >>"$steps"
+	else
+		shape_args=()
+		for shape in $tune_shapes; do shape_args+=(--shape "$shape"); done
+		step tune "$tune_s" "ok" "$PYTHON" -m benchmarks.autotune_triton --focused --jobs 12 \
+			--rep-ms 60 "${shape_args[@]}" --out "$work/results/triton-tuned-sm90.json"
 	fi
 fi
 

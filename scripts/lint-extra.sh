@@ -48,10 +48,12 @@ fi
 PATH="$(cd "$VENV/bin" && pwd):$PATH"
 export PATH
 
-# Everything in the tree except environments, build output and the deliberately bad fixtures
-# that tests/test_docker_ci.py feeds to each linter.
+# Everything in the tree except environments, build output, the device bundle (a build of
+# scripts outside this repository) and the deliberately bad fixtures that
+# tests/test_docker_ci.py feeds to each linter.
 find_files() {
 	find . \( -name .git -o -name '.venv*' -o -name build -o -name dist -o -name results \
+		-o -name .gpu-bundle \
 		-o -path ./tests/fixtures/lint -o -name node_modules \) -prune -o "$@" -print | sort
 }
 mapfile -t dockerfiles < <(find_files -type f \( -name Dockerfile -o -name '*.Dockerfile' \))
