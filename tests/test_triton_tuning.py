@@ -96,11 +96,11 @@ def test_lookup_prefers_the_most_specific_entry():
     assert (h128.block_h, h128.dv_chunks, h128.rows_per_warp) == (64, 2, 16)
     assert h16 == tables.TABLES["gfx942"][("*", "*", "*")].config
     assert h16_verify == h128
-    # fp8 on gfx942 and gfx950 has row-owned rows too (32 keys: the fp8 MFMA's K); H16 S_q 1
-    # keeps the general (replicated) entry.
+    # fp8 on gfx942 and gfx950 has row-owned rows too (16-key tiles); H16 S_q 1 keeps the
+    # general (replicated) entry.
     fp8_h16 = kernel.default_config(GFX942, num_heads=16, kv_dtype=torch.float8_e4m3fnuz)
     # P.V in fp16 (issue 37): an fp8 V operand is read byte by byte, transposed.
-    assert fp8.fp8_qk and not fp8.fp8_pv and (fp8.rows_per_warp, fp8.block_n) == (16, 32)
+    assert fp8.fp8_qk and not fp8.fp8_pv and (fp8.rows_per_warp, fp8.block_n) == (16, 16)
     assert fp8_h16.fp8_qk and fp8_h16.rows_per_warp is None
     gfx950 = TritonTarget("hip", "gfx950", 256)
     fp8_950 = kernel.default_config(gfx950, num_heads=128, kv_dtype=torch.float8_e4m3fn)

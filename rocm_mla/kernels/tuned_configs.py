@@ -146,7 +146,7 @@ _AMD_KNOBS = {"waves_per_eu": 1, "matrix_instr_nonkdim": 16}
 #: tables for why this shape).
 _AMD_FP8_ROW_OWNED = LaunchConfig(
     block_h=64,
-    block_n=32,
+    block_n=16,
     num_warps=4,
     num_stages=2,
     dv_chunks=2,
@@ -260,12 +260,15 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
         ),
         # fp8 rows owned per wave fit since Q arrives quantized (quantize_q) and the softmax
         # step shares the dots' block (mla_decode_kernel._attend_tile: each wave 16 rows of both
-        # dots): 32 keys (the fp8 MFMA's K), V in two halves, no spills at any case of bench
-        # static. Two stages (the next tile in registers, one LDS slot): with three, the
-        # 32-row groups of a causal verify window (H12 S_q 8, H24 S_q 4) spill 57 VGPRs
-        # (gfx950: 21). P.V runs fp16 on V converted as read (ds_read_b128): an fp8 P.V
-        # read V byte by byte here (gfx942 has no transposing LDS read), 256 ds_read_u8 a
-        # tile; now 128 ds_read_u16 of the fp16 copy, as a bf16 cache does.
+        # dots): V in two halves, no spills at any case of bench static. Two stages (the
+        # next tile in registers, one LDS slot): with three, the 32-row groups of a causal
+        # verify window (H12 S_q 8, H24 S_q 4) spill 57 VGPRs (gfx950: 21). P.V runs fp16 on
+        # V converted as read (ds_read_b128): an fp8 P.V read V byte by byte here (gfx942
+        # has no transposing LDS read), 256 ds_read_u8 a 32-key tile; now 64 ds_read_u16 of
+        # the fp16 copy a 16-key tile, as a bf16 cache does. 16 keys, not the 32 of fp8's
+        # K: with P.V's fp16 copy of V, 32 keys spill 1 VGPR at H24 S_q 2 (gfx942) and 15-66
+        # at H96 (gfx950, Triton 3.9 / 3.8); 16 also leaves 10-130 AGPRs where 32 took
+        # 70-160.
         **_row_owned(
             "gfx942",
             bf16=LaunchConfig(
@@ -326,9 +329,7 @@ TABLES: dict[str, dict[Key, TableEntry]] = {
                 prefetch_ids=True,
                 **_AMD_KNOBS,
             ),
-            # 16-key tiles: at 32 keys the 32-row groups (H96) spill 15 VGPRs (Triton 3.9),
-            # 66 (3.8), with P.V's fp16 copy of V.
-            fp8=replace(_AMD_FP8_ROW_OWNED, block_n=16),
+            fp8=_AMD_FP8_ROW_OWNED,
         ),
         # fp32 tiles spill 100-130 VGPRs with 8 warps (Triton 3.9), with or without stages.
         ("*", "*", "fp32"): TableEntry(
