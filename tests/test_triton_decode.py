@@ -373,13 +373,13 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
 table = tc.TABLES[mda.target_key(here)]
 unused = [str(k) for k, e in table.items() if not any(e is u for u in used)]
 print(json.dumps({"kernel": "coverage", "unused_entries": unused}))
-consts = dict(HEAD_DIM_V=512, BLOCK_P=4, BLOCK_R=1, BLOCK_D=256)
+consts = dict(HEAD_DIM_V=512, **ms._merge_blocks(here, 8, 64, 512))
 pointers = {"outs_ptr": "*fp32", "lses_ptr": "*fp32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
 merge = build(ms._merge_states_kernel, pointers, consts, target, ms.merge_launch_options(here))
 print(json.dumps({"kernel": "merge", **merge}))
 # Stage 2 of the balanced schedule, for every row-group size stage 1 compiled above.
 for block_h in sorted({config.block_h for config, _, _ in kernels}):
-    consts = dict(GROUP_ROWS=block_h, HEAD_DIM_V=512, BLOCK_P=4, BLOCK_R=1, BLOCK_D=256)
+    consts = dict(GROUP_ROWS=block_h, HEAD_DIM_V=512, **ms._merge_blocks(here, 128, block_h, 512))
     pointers = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "unit_parts_ptr": "*i32",
                 "split_units_ptr": "*i32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
     pieces = build(ms._merge_pieces_kernel, pointers, consts, target,
