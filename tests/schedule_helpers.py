@@ -74,11 +74,13 @@ def cut_requests(
 
 
 def piece_slots(lengths: Sequence[int] | torch.Tensor, *, groups: int, capacity_keys: int) -> int:
-    """Slots enough for every piece (and every empty unit) to get one of its own: the budget
-    search then settles on one piece per slot, and every unit of two pieces or more is cut."""
+    """Slots enough for every unit to take one per piece of the longest: the uniform split
+    then cuts every unit of two pieces or more into single pieces (``assert_cuts_long_requests``
+    checks that the planner does)."""
     if isinstance(lengths, torch.Tensor):
         lengths = [int(v) for v in lengths.cpu().tolist()]
-    return groups * sum(max(1, sch._pieces(int(n), capacity_keys)) for n in lengths)
+    longest = max(sch._pieces(int(n), capacity_keys) for n in lengths)
+    return groups * len(lengths) * max(1, longest)
 
 
 def assert_cuts_long_requests(

@@ -186,7 +186,7 @@ def test_triton_graph_bucket_replays_two_mixes_balanced(k3, monkeypatch):
     lengths: replan_decode rewrites the bucket plan's schedule before every replay (stale
     tables would walk the capture's empty lengths and give wrong tokens)."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("ROCM_MLA_TRITON_SLOTS", "4")
+    monkeypatch.setenv("ROCM_MLA_TRITON_SLOTS", "8")
     long_mix = [[7 + i % 50 for i in range(150)], [3, 1], [9, 9, 9]]
     short_mix = [[5, 17, 33, 2], [100, 4, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]]
     eager = _worker(k3, backend="triton")
@@ -205,6 +205,7 @@ def test_triton_graph_bucket_replays_two_mixes_balanced(k3, monkeypatch):
     assert [worker.generate(long_mix, 3), worker.generate(short_mix, 3)] == expected
     assert sorted(graphs.buckets) == [2, 4]
     bucket_plan = graphs.buckets[4].meta.decode_plan
-    assert bucket_plan.launch.num_slots == 4 and bucket_plan.bounds_only
-    # The 150-token request of the first mix (3 pieces of 64 keys among 5) is cut.
+    assert bucket_plan.launch.num_slots == 8 and bucket_plan.bounds_only
+    # The 150-token request of the first mix (3 pieces of 64 keys among 5) is cut (at 4
+    # slots the calibrated overhead makes cutting it dearer than the imbalance).
     assert max(cut for plan, cut in plans if plan is bucket_plan) >= 1

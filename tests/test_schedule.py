@@ -4,6 +4,8 @@ writing exactly the host planner's tables."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -12,6 +14,8 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from rocm_mla.kernels import schedule as sch
+from rocm_mla.kernels.plan import choose_num_kv_splits
+from rocm_mla.kernels.target import triton_target
 
 BIG = 1 << 30
 
@@ -53,9 +57,11 @@ def _check_launch_order(tables: sch.ScheduleTables, load: list[int]) -> None:
         for i in range(bounds[s], bounds[s + 1]):
             slot_of[i], start_of[i] = s, t
             t += rows[i][2] - rows[i][1] + sch.OVERHEAD_KEYS
+    used = tables.used_slots
+    assert used == max(slot_of.values()) + 1 and used <= slots
     for x in range(pools):
         mine = [i for p, i in placed if p % pools == x]
-        assert all(sch.pool_of(slot_of[i], slots, pools) == x for i in mine)
+        assert all(sch.pool_of(slot_of[i], slots, pools, used) == x for i in mine)
         keys = [(start_of[i], slot_of[i]) for i in mine]
         assert keys == sorted(keys)
         # Nothing but empty programs after a pool's last segment.
@@ -74,14 +80,18 @@ def _check_invariants(lengths, groups, slots, capacity, pools=1):
     )
     pieces = [sch._pieces(n, capacity) for n in lengths]
     segs = _segments(tables)
-    budget = sch.search_budget(pieces, groups, slots)
+    packing = sch.choose_packing(pieces, groups, slots)
+    budget = packing.budget
+    assert budget == sch.search_budget(pieces, groups, slots)
+    # The model's bound the planner chose by holds for the tables it built.
+    assert sch.model_cost(tables) <= packing.cost
     # Every slot within the budget; the budget at or above the tile-granular lower bound.
     load = [0] * slots
     for s, _, first, end, _ in segs:
         load[s] += end - first + sch.OVERHEAD_KEYS
     assert max(load) <= budget
     total = groups * sum(pieces)
-    assert budget >= sch.OVERHEAD_KEYS + sch.PIECE_KEYS * max(1, -(-total // slots))
+    assert budget >= sch.OVERHEAD_KEYS + sch.PIECE_KEYS * -(-total // slots)
     # Every unit's pieces covered once, in order, by consecutive segments.
     by_unit: dict[int, list[tuple[int, int, int]]] = {}
     for _, unit, first, end, part in segs:
@@ -229,3 +239,112 @@ def test_pool_counts_outside_the_sort_key_are_refused(pools):
         sch.host_schedule([10], num_groups=1, num_slots=4, capacity_keys=BIG, num_pools=pools)
     with pytest.raises(ValueError, match=r"num_pools must be an int in \[1, 16\]"):
         sch.empty_tables(1, 1, 4, "cpu", pools)
+
+
+# ---- the calibrated model: never costlier than the old uniform split -------------------------
+
+#: (row groups, slots, pools) of real launches: H16 / H128 on an H200 at one and two programs
+#: per SM, MI300X (304 CUs in 8 XCDs) at one and two.
+GPU_SHAPES = [(1, 132, 1), (2, 132, 1), (1, 264, 1), (1, 304, 8), (2, 608, 8)]
+
+
+@pytest.mark.parametrize(
+    "lengths", [[32768], [49152] * 4 + [512] * 12], ids=["1x32K", "4x48K+12x512"]
+)
+@pytest.mark.parametrize(("groups", "slots", "pools"), GPU_SHAPES)
+def test_never_costlier_than_the_uniform_split_or_the_device_plan(lengths, groups, slots, pools):
+    """The planner's schedule costs no more in the calibrated model than the old uniform
+    split (``choose_num_kv_splits``) run on the same slots, and the device planner writes
+    the same tables. On 4600785's planner one request of 32K cost 1.18-1.82 x the uniform
+    split at 264 slots or more (every slot a partial, each merged in turn)."""
+    batch = len(lengths)
+    splits = choose_num_kv_splits(batch, groups, sum(lengths) / batch, max(lengths), slots)
+    uniform = sch.uniform_schedule(lengths, num_groups=groups, splits=splits, capacity_keys=BIG)
+    host = _check_invariants(lengths, groups, slots, BIG, pools)
+    assert sch.model_cost(host) <= sch.model_cost(uniform, slots)
+    _assert_same(host, _device(lengths, groups, slots, BIG, pools))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(
+        st.one_of(st.integers(0, 300), st.integers(0, 40000), st.sampled_from([64, 65])),
+        min_size=1,
+        max_size=5,
+    ),
+    groups=st.integers(1, 3),
+    slots=st.integers(1, 200),
+    pools=st.sampled_from([1, 8]),
+)
+def test_fuzz_never_costlier_than_a_uniform_split_of_one_wave(lengths, groups, slots, pools):
+    """The guarantee ``choose_packing`` gives: against every uniform split whose programs
+    fit the slots at once (the old split wherever it ran one wave), the schedule built costs
+    no more in the model."""
+    units = len(lengths) * groups
+    host = _check_invariants(lengths, groups, slots, BIG, pools)
+    for splits in range(1, slots // units + 1):
+        uniform = sch.uniform_schedule(lengths, num_groups=groups, splits=splits, capacity_keys=BIG)
+        assert sch.model_cost(host) <= sch.model_cost(uniform, slots), splits
+
+
+# ---- the device planner: parallel over requests ---------------------------------------------
+
+
+def _planner_steps(batch: int, groups: int, monkeypatch) -> tuple[int, int]:
+    """(launches, lines of the planning kernel run) of ``device_schedule`` at ``batch``
+    requests, under the interpreter (a line it runs is one step over a whole vector)."""
+    launches = []
+
+    class Counted:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.kernel.fn.__name__)
+            return self.kernel[grid]
+
+    for name in ("_plan_schedule_kernel", "_launch_order_kernel"):
+        monkeypatch.setattr(sch, name, Counted(getattr(sch, name)))
+    tables = sch.empty_tables(batch, groups, 132, "cpu")
+    lengths = torch.tensor([1000 + 37 * b for b in range(batch)], dtype=torch.int32)
+    lines = 0
+
+    def trace(frame, event, arg):
+        # The planning kernel and its helpers: every function of the module but the rank
+        # kernel (parallel over segments) and the host launcher.
+        if frame.f_code.co_filename != sch.__file__ or frame.f_code.co_name in (
+            "_launch_order_kernel",
+            "device_schedule",
+            "__getitem__",
+        ):
+            return None
+
+        def line(frame, event, arg):
+            nonlocal lines
+            lines += event == "line"
+            return line
+
+        return line
+
+    sys.settrace(trace)
+    try:
+        sch.device_schedule(lengths, tables, capacity_keys=1 << 20)
+    finally:
+        sys.settrace(None)
+    monkeypatch.undo()
+    return len(launches), lines
+
+
+def test_device_planner_work_per_request_is_constant(monkeypatch):
+    """Two launches at any batch, and the planning kernel's serial steps (vector steps over
+    up to ``PLAN_BLOCK`` units, slots or segments) grow with the batch only by its binary
+    searches' log2(B) halvings, up to a block: 4600785's one-program planner walked the units
+    one by one (20x the steps at 256 requests as at 8)."""
+    if triton_target() is None or triton_target().backend != "interpreter":
+        pytest.skip("counts the interpreter's steps")
+    small = _planner_steps(8, 1, monkeypatch)
+    large = _planner_steps(256, 1, monkeypatch)
+    assert small[0] == large[0] == 2
+    assert large[1] <= 1.5 * small[1], (small, large)
+    # Past a block, a vector step more a phase per block.
+    assert _planner_steps(2 * sch.PLAN_BLOCK, 1, monkeypatch)[1] <= 3 * small[1]

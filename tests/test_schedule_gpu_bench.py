@@ -158,14 +158,14 @@ def test_the_check_catches_a_wrong_answer():
 
 
 def test_one_case_end_to_end(tmp_path):
-    """The whole row on a tiny mix, 3 forced slots (two units cut, so stage 2 merges), the
+    """The whole row on a tiny mix, 6 forced slots (two units cut, so stage 2 merges), the
     torch reference (no FlashMLA), and the JSON + PNG it writes."""
     case = bench.Case("tiny", (200, 0, 70), 16, "bf16")
     payload = bench.run(
-        [case], device=DEVICE, warmup=0, repeats=1, slots=3, flash_reason="not loaded here"
+        [case], device=DEVICE, warmup=0, repeats=1, slots=6, flash_reason="not loaded here"
     )
     (row,) = payload["rows"]
-    assert row["G"] == 1 and row["slots"] == 3 and row["balanced_split_units"] >= 1
+    assert row["G"] == 1 and row["slots"] == 6 and row["balanced_split_units"] == 2
     check = row["check"]
     assert check["reference"] == "torch" and check["ok"], check
     assert check["device_tables_match_host"] and check["device_equals_balanced"]

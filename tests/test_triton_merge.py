@@ -120,7 +120,7 @@ def test_nan_out_in_the_second_dv_chunk_poisons_the_whole_row():
     "target", [TritonTarget("hip", "gfx942", 304), TritonTarget("cuda", "sm90", 132)]
 )
 def test_gpu_tile_shapes(target):
-    """The GPU block shapes (4 partials x 1 row x 256 dims per step), on any machine.
+    """The GPU block shapes (16 partials x 1 row x 512 dims per step), on any machine.
 
     Under the interpreter this runs the GPU tiling with the launch options ignored; on a
     GPU of the other vendor the options would not compile, so only the matching one runs.
@@ -294,3 +294,43 @@ def test_launch_merge_names_mismatched_shapes():
         launch_merge(outs, lses, torch.empty(12, 64), torch.empty(12))
     with pytest.raises(ValueError, match=r"out must be \[12, 64\]"):
         launch_merge(outs, lses[:, :, :4], torch.empty(10, 64), torch.empty(10))
+
+
+@pytest.mark.parametrize(
+    "target",
+    [None, TritonTarget("hip", "gfx942", 304), TritonTarget("cuda", "sm90", 132)],
+    ids=["here", "gfx942", "sm90"],
+)
+def test_merge_pieces_of_a_unit_cut_over_many_slots(target):
+    """One unit cut into 300 partials (a request over every slot of a big GPU): more lses
+    than one step of the first pass reads and many steps of the second. Partial 7 saw no
+    key (lse -inf, its output NaN: never multiplied in, inside a step of weighted ones), row
+    2's partial 250 has a NaN output (poisons the whole row), row 3's partial 299 a NaN lse
+    (poisons it too); the other rows equal the merge as the contract states it."""
+    here = triton_target()
+    if target is not None and here.backend not in ("interpreter", target.backend):
+        pytest.skip(f"{target.backend} launch options on a {here.backend} GPU")
+    parts, group_rows, dv = 300, 4, 64
+    gen = torch.Generator().manual_seed(300)
+    part_out = torch.randn(parts, group_rows, dv, generator=gen)
+    part_lse = torch.randn(parts, group_rows, generator=gen) * 3
+    part_lse[7], part_out[7] = -math.inf, math.nan
+    part_out[250, 2, 40] = math.nan
+    part_lse[299, 3] = math.nan
+    part_out, part_lse = part_out.to(DEVICE), part_lse.to(DEVICE)
+    unit_parts = torch.tensor([[0, parts]], dtype=torch.int32, device=DEVICE)
+    split_units = torch.tensor([0, -1], dtype=torch.int32, device=DEVICE)
+    out = torch.full((1, group_rows, dv), 7.0, device=DEVICE)
+    out_lse = torch.full((1, group_rows), 7.0, device=DEVICE)
+    launch_merge_pieces(
+        part_out, part_lse, unit_parts, split_units, out, out_lse, num_groups=1, target=target
+    )
+    want_out, want_lse = merge_as_defined(part_out, part_lse)
+    torch.testing.assert_close(
+        out[0].cpu().double(), want_out, atol=1e-6, rtol=1e-5, equal_nan=True
+    )
+    torch.testing.assert_close(
+        out_lse[0].cpu().double(), want_lse, atol=1e-6, rtol=1e-6, equal_nan=True
+    )
+    assert torch.isnan(out[0, 2]).all() and torch.isnan(out[0, 3]).all()
+    assert torch.isfinite(out[0, :2]).all() and torch.isfinite(out_lse[0, :2]).all()

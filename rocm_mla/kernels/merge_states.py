@@ -21,14 +21,10 @@ from rocm_mla.merge import check_merge_args
 
 
 def merge_launch_options(target: TritonTarget | None) -> dict:
-    """Launch options of the merge kernel for ``target``.
-
-    A merge program reads N short rows and is latency bound, so on AMD it runs one wave per
-    program and asks for many waves per SIMD to hide the loads (AITER's stage-2 choice);
-    the AMD-only keyword is passed only when compiling for hip.
-    """
-    if target is not None and target.backend == "hip":
-        return {"num_warps": 1, "waves_per_eu": 4}
+    """Launch options of the merge kernels, the same for every ``target``: four warps (waves)
+    a program, so that one step of ``_merge_blocks``' tile is 32 fp32 values a lane on AMD's
+    64-lane waves (64 on NVIDIA's 32-lane warps), loaded at once. None of the 3.6-3.9 builds
+    for sm90, gfx942 or gfx950 spills."""
     return {"num_warps": 4}
 
 
@@ -43,32 +39,43 @@ def _merge_rows(
     stride_lses_n,
     stride_outs_n,
     HEAD_DIM_V: tl.constexpr,
+    BLOCK_L: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """Merge ``num_parts`` partials (``stride_*_n`` apart) of BLOCK_R rows: the formula of
-    ``rocm_mla.merge`` (module docstring), shared by both merge kernels."""
-    offs_p = tl.arange(0, BLOCK_P)
-    # Pass 1: the largest finite lse of each row, and whether any lse is NaN or +inf.
+    ``rocm_mla.merge`` (module docstring), shared by both merge kernels.
+
+    A row's partials are walked in wide steps, every load of a step independent of the
+    others, so a merge of N partials waits on about N / BLOCK_P loads, not on 5 N / 4
+    dependent ones (4600785's merge: a 4-partial step loaded the lses, then the outputs of
+    the weighted ones; the balanced schedule cuts one long request into a partial per slot).
+    """
+    # Pass 1: the largest finite lse of each row, and whether any lse is NaN or +inf, over
+    # BLOCK_L partials a step (one step for any unit a GPU schedule cuts).
+    offs_l = tl.arange(0, BLOCK_L)
     top = tl.full([BLOCK_R], float("-inf"), tl.float32)
     broken = tl.zeros([BLOCK_R], tl.int32)
-    for p0 in range(0, num_parts, BLOCK_P):
-        p = (p0 + offs_p).to(tl.int64)
+    for p0 in range(0, num_parts, BLOCK_L):
+        p = (p0 + offs_l).to(tl.int64)
         lse = tl.load(
             lse_rows[None, :] + p[:, None] * stride_lses_n,
             mask=(p < num_parts)[:, None] & r_mask[None, :],
             other=float("-inf"),
-        ).to(tl.float32)
+        ).to(tl.float32)  # [BLOCK_L, BLOCK_R]
         bad = (lse != lse) | (lse == float("inf"))
         broken = tl.maximum(broken, tl.max(bad.to(tl.int32), axis=0))
         top = tl.maximum(top, tl.max(tl.where(bad, float("-inf"), lse), axis=0))
     # A row with no finite partial keeps exp(-inf - 0) = 0 weights, never inf - inf.
     ref = tl.where(top == float("-inf"), 0.0, top)
 
-    # Pass 2, per Dv chunk: weights exp(lse - ref); partials with weight 0 are never read.
-    # A NaN output of a partial with weight > 0 reaches acc; any NaN in a row's acc (any
-    # chunk) is a broken row, so the whole row is rewritten as NaN after the last chunk.
+    # Pass 2, per Dv chunk, BLOCK_P partials a step: weights exp(lse - ref), each output
+    # loaded with its lse (not after it) and dropped by a select where its weight is 0 (an
+    # empty partial's output is never written: it may hold NaN, which a product would
+    # spread). A NaN output of a partial with weight > 0 reaches acc; any NaN in a row's acc
+    # (any chunk) is a broken row, so the whole row is rewritten as NaN after the last chunk.
+    offs_p = tl.arange(0, BLOCK_P)
     total = tl.zeros([BLOCK_R], tl.float32)
     for d0 in tl.static_range(0, HEAD_DIM_V, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
@@ -77,20 +84,20 @@ def _merge_rows(
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         for p0 in range(0, num_parts, BLOCK_P):
             p = (p0 + offs_p).to(tl.int64)
+            rows_mask = (p < num_parts)[:, None] & r_mask[None, :]  # [BLOCK_P, BLOCK_R]
             lse = tl.load(
-                lse_rows[None, :] + p[:, None] * stride_lses_n,
-                mask=(p < num_parts)[:, None] & r_mask[None, :],
-                other=float("-inf"),
+                lse_rows[None, :] + p[:, None] * stride_lses_n, mask=rows_mask, other=float("-inf")
             ).to(tl.float32)
+            part = tl.load(
+                part_rows[None, :, None] + p[:, None, None] * stride_outs_n + offs_d[None, None, :],
+                mask=rows_mask[:, :, None] & d_mask[None, None, :],
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_P, BLOCK_R, BLOCK_D]
             lse = tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
             weight = tl.exp(lse - ref[None, :])  # [BLOCK_P, BLOCK_R]
             total += tl.sum(weight, axis=0)
-            part = tl.load(
-                part_rows[None, :, None] + p[:, None, None] * stride_outs_n + offs_d[None, None, :],
-                mask=(weight > 0)[:, :, None] & d_mask[None, None, :],
-                other=0.0,
-            ).to(tl.float32)
-            acc += tl.sum(part * weight[:, :, None], axis=0)
+            weighted = tl.where((weight > 0)[:, :, None], part * weight[:, :, None], 0.0)
+            acc += tl.sum(weighted, axis=0)
         nan_cols = tl.where(d_mask[None, :] & (acc != acc), 1, 0)
         broken = tl.maximum(broken, tl.max(nan_cols, axis=1))
         safe_total = tl.where(total > 0, total, 1.0)
@@ -131,6 +138,7 @@ def _merge_states_kernel(
     stride_lses_r,
     stride_out_r,
     HEAD_DIM_V: tl.constexpr,
+    BLOCK_L: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -154,6 +162,7 @@ def _merge_states_kernel(
         stride_lses_n,
         stride_outs_n,
         HEAD_DIM_V,
+        BLOCK_L,
         BLOCK_P,
         BLOCK_R,
         BLOCK_D,
@@ -179,6 +188,7 @@ def _merge_pieces_kernel(
     stride_lse_b,
     GROUP_ROWS: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
+    BLOCK_L: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -204,6 +214,7 @@ def _merge_pieces_kernel(
             stride_pl_p,
             stride_po_p,
             HEAD_DIM_V,
+            BLOCK_L,
             BLOCK_P,
             BLOCK_R,
             BLOCK_D,
@@ -212,21 +223,27 @@ def _merge_pieces_kernel(
 
 def _merge_blocks(
     target: TritonTarget | None, num_parts: int, rows: int, head_dim_v: int
-) -> tuple[int, int, int]:
-    """``(BLOCK_P, BLOCK_R, BLOCK_D)`` of a merge of ``num_parts`` partials (at most) of
-    ``rows`` rows."""
+) -> dict[str, int]:
+    """The tile constexprs (``BLOCK_L``, ``BLOCK_P``, ``BLOCK_R``, ``BLOCK_D``) of a merge of
+    ``num_parts`` partials (at most) of ``rows`` rows."""
+    parts = triton.next_power_of_2(max(num_parts, 1))
+    block_d = min(triton.next_power_of_2(head_dim_v), 512)
     if target is not None and target.backend == "interpreter":
         # The interpreter pays per program and per op, not per register: take whole rows,
         # 16 partials at a time, and as many rows as keep the [P, R, D] tile near 256K.
-        block_p = min(triton.next_power_of_2(max(num_parts, 1)), 16)
-        block_d = min(triton.next_power_of_2(head_dim_v), 512)
+        block_p = min(parts, 16)
         block_r = max(1, min(triton.next_power_of_2(rows), (1 << 18) // (block_p * block_d)))
-        return block_p, block_r, block_d
-    # One row per GPU program (rows are plenty), Dv in chunks of 256 and a [4, 1, 256]
-    # tile: 16 fp32 values per lane in one 64-lane AMD wave, where a [16, 1, 512] tile
-    # spills registers. Always 4 partials per step (masked past N): one kernel for every
-    # split count, and sm90's ptxas spills the 2-partial build (4 bytes at 32 registers).
-    return 4, 1, min(triton.next_power_of_2(head_dim_v), 256)
+        return {
+            "BLOCK_L": min(parts, 128),
+            "BLOCK_P": block_p,
+            "BLOCK_R": block_r,
+            "BLOCK_D": block_d,
+        }
+    # One row per GPU program (rows are plenty) and the whole Dv (512) at once: a step of
+    # [16, 1, 512] fp32 is 32 KB in flight per program, 32 values a lane (AMD) or 64 (NVIDIA)
+    # over ``merge_launch_options``' four warps. The lses of up to 128 partials (a unit cut
+    # over every slot of an H200 at one program per SM) take one load.
+    return {"BLOCK_L": min(parts, 128), "BLOCK_P": min(parts, 16), "BLOCK_R": 1, "BLOCK_D": block_d}
 
 
 def launch_merge(
@@ -263,8 +280,8 @@ def launch_merge(
         if t.stride(-1) != 1:
             raise ValueError(f"launch_merge: {name} must have stride 1 in its last dim")
     target = triton_target() if target is None else target
-    block_p, block_r, block_d = _merge_blocks(target, num_parts, rows, head_dim_v)
-    _merge_states_kernel[(triton.cdiv(rows, block_r),)](
+    blocks = _merge_blocks(target, num_parts, rows, head_dim_v)
+    _merge_states_kernel[(triton.cdiv(rows, blocks["BLOCK_R"]),)](
         outs,
         lses,
         out,
@@ -280,9 +297,7 @@ def launch_merge(
         lses.stride(2),
         out.stride(0),
         HEAD_DIM_V=head_dim_v,
-        BLOCK_P=block_p,
-        BLOCK_R=block_r,
-        BLOCK_D=block_d,
+        **blocks,
         **merge_launch_options(target),
     )
 
@@ -307,8 +322,10 @@ def launch_merge_pieces(
     if part_out.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("launch_merge_pieces: part_out and out must have stride 1 in Dv")
     target = triton_target() if target is None else target
-    block_p, block_r, block_d = _merge_blocks(target, 16, group_rows, head_dim_v)
-    row_blocks = triton.cdiv(group_rows, block_r)
+    # The partials a unit has are known on the device only: tiles for the most a GPU
+    # schedule cuts one into (the loops take more).
+    blocks = _merge_blocks(target, 128, group_rows, head_dim_v)
+    row_blocks = triton.cdiv(group_rows, blocks["BLOCK_R"])
     _merge_pieces_kernel[(split_units.shape[0] * row_blocks,)](
         part_out,
         part_lse,
@@ -327,9 +344,7 @@ def launch_merge_pieces(
         out_lse.stride(0),
         GROUP_ROWS=group_rows,
         HEAD_DIM_V=head_dim_v,
-        BLOCK_P=block_p,
-        BLOCK_R=block_r,
-        BLOCK_D=block_d,
+        **blocks,
         **merge_launch_options(target),
     )
 

@@ -7,23 +7,29 @@ capacity, past which stage 1 reads nothing). They are packed into the resident s
 key range), FlashMLA- and AITER-persistent-style: every slot gets about the same cost, so a
 long request is cut across many slots while short ones share one. Stage 1 runs one program
 per segment, in an order that makes the GPU's own dispatch run that packing ("Launch
-order" below).
+order" below); ``merge_states`` merges the partials of every unit cut into several.
 
-Cost model (the one the planner packs by and ``rocm-mla bench schedule`` reports): a
-segment of ``t`` pieces costs ``t * PIECE_KEYS + SPLIT_OVERHEAD_TOKENS`` (its prologue, its
-partial and the merge reading it back; ``plan.SPLIT_OVERHEAD_TOKENS``), a masked piece as
-much as a full one.
+Cost model (``plan.SPLIT_OVERHEAD_TOKENS`` and ``plan.MERGE_TOKENS_PER_PARTIAL``, calibrated
+on an H200 there; ``rocm-mla bench schedule`` reports the same): a segment of ``t`` pieces
+costs ``t * PIECE_KEYS + OVERHEAD_KEYS`` keys of its slot's time, a masked piece as much as
+a full one; a step costs its makespan plus ``MERGE_KEYS`` per partial of the unit with the
+most (the merge of a cut unit walks its partials in one program per row).
 
-Packing: the units in order fill slot after slot greedily under a budget ``C``: a unit
-goes whole into the open slot if it fits, else fills what is left of it and continues in
-fresh slots; a slot closes when not even one piece and its overhead fit. ``C`` is the
-smallest cost, in keys, from the lower bound ``SPLIT_OVERHEAD_TOKENS + PIECE_KEYS x
-ceil(total pieces / S)`` up, for which the packing uses at most ``S`` slots,
-found by ``SEARCH_LANES``-wide searches: each pass tries that many budgets side by side and
-narrows to the gap below the first that fits, until the budgets are one key apart. The
-device planner (``_plan_schedule_kernel``) runs exactly these integer steps with the
-budgets as vector lanes; the host planner (``host_schedule``) runs them in Python. Both
-write the same tables.
+Packing: the units lie end to end on a *line* of pieces, unit ``u`` at ``X_u = sum over
+v < u of (OVERHEAD_PIECES + n_v)``: its prologue (``OVERHEAD_PIECES``, the overhead in whole
+pieces) and then its pieces. Slot ``s`` takes the pieces that start in ``[s * W, (s + 1) *
+W)`` for a width ``W``; a unit crossing a slot boundary is cut there, and its part in the
+next slot pays one more overhead, which the line does not hold. So a slot costs at most
+``W * PIECE_KEYS + OVERHEAD_KEYS`` (the budget), and everything about a unit (its slots,
+segments and partials) follows from prefix sums over the units before it: the planner is
+parallel over units, on the host and on the device alike. ``W`` is chosen by the model
+(``choose_packing``): the least with all units in ``S`` slots, unless a wider one saves
+more merge than it costs (one long request: fewer, longer segments); and when a uniform
+split (every unit in at most ``splits`` equal segments, one slot each: one wave of programs)
+is cheaper in the model, the step runs that instead, so no step costs more than the uniform
+split of earlier releases wherever that ran in one wave (where it ran in several, whole
+units list-scheduled can beat any cut by a merge of two: ``rocm-mla bench schedule`` shows
+by how much). A slot narrower than a prologue may hold no segment (the next one starts it).
 
 Tables (int32, fixed capacity for a batch ``B``, groups ``G`` and slots ``S``, so that one
 captured graph replays any lengths):
@@ -45,15 +51,24 @@ segment's turn comes, every segment before it started no later than planned (ind
 so at most ``S - 1`` of them still run at its planned start (the plan never has more
 overlapping it) and a slot is free by then; with the model's costs nothing ends later than
 planned, and where real costs differ, whichever slot frees first takes the next segment.
-On AMD the slots are ``X`` pools, the XCDs (workgroup ``p`` goes to XCD ``p % X``): plan
-slot ``s`` belongs to pool ``s * X // S`` (neighbouring slots, hence neighbouring units, on
-one L2), each pool's segments are sorted by start, and pool ``x``'s ``k``-th sits at
-position ``k * X + x``; a pool with fewer segments leaves ``-1`` programs at its end. With
-one pool (NVIDIA, the interpreter) the order is one sorted list. ``X`` is the config's
-``num_xcds``.
+On AMD the slots are ``X`` pools, the XCDs (workgroup ``p`` goes to XCD ``p % X``): slot
+``s`` belongs to pool ``s * X // S`` (neighbouring slots, hence neighbouring units, on one
+L2), and a plan that fills only ``used`` slots spreads them as slots ``s * S // used``
+(``pool_of``: it still reaches every XCD, and no pool gets more slots than it has),
+each pool's segments are sorted by start, and pool ``x``'s ``k``-th sits at position ``k * X
++ x``; a pool with fewer segments leaves ``-1`` programs at its end. With one pool (NVIDIA,
+the interpreter) the order is one sorted list. ``X`` is the config's ``num_xcds``.
 
 A slot boundary cuts at most one unit, so at most ``S - 1`` units are cut, into at most
-``2 * (S - 1)`` partials (``partial_capacity``), and at most ``B * G + S - 1`` segments exist.
+``2 * (S - 1)`` partials (``partial_capacity``), and at most ``B * G + S - 1`` segments exist;
+the uniform split is a candidate only when its ``B * G * splits`` segments fit one per slot.
+
+Two planners write the tables: ``host_schedule`` from host lengths (exact grid and partial
+count) and ``device_schedule`` from lengths on the device (no host read, graph-safe): two
+launches whatever the batch, ``_plan_schedule_kernel`` (one program whose every step is a
+vector over up to ``PLAN_BLOCK`` units, slots or segments: prefix sums, closed forms and
+binary searches, no loop over requests) and ``_launch_order_kernel`` (each segment's rank,
+parallel over segments). Both take the same integer steps, so they write the same tables.
 
 When the result may be reused: a schedule holds for the lengths it was built from (host)
 or, built on the device, for the lengths in ``cache_seqlens`` when the planner ran; the
@@ -63,14 +78,14 @@ every planner run (once per decode step, before the first MLA layer).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from rocm_mla.kernels.plan import SPLIT_OVERHEAD_TOKENS
+from rocm_mla.kernels.plan import MERGE_TOKENS_PER_PARTIAL, SPLIT_OVERHEAD_TOKENS
 
 #: Keys per piece: cuts fall on multiples of it. A multiple of every tuned BLOCK_N (16, 32,
 #: 64: ``tuned_configs``), so each piece starts a tile and, with pages of 64 or more keys, a
@@ -78,10 +93,23 @@ from rocm_mla.kernels.plan import SPLIT_OVERHEAD_TOKENS
 PIECE_KEYS = 64
 #: Keys a schedule plans at most (whole pieces below 2^31, so every key offset is an int32).
 MAX_KEYS = (2**31 - 1) // PIECE_KEYS * PIECE_KEYS
-#: The budget search's width: budgets tried side by side per pass (the device planner's lanes).
-SEARCH_LANES = 64
-#: The overhead in whole keys (the cost model is integer, so host and device agree exactly).
+#: The overhead and the merge's cost per partial in whole keys (the model is integer, so host
+#: and device agree exactly).
 OVERHEAD_KEYS = round(SPLIT_OVERHEAD_TOKENS)
+MERGE_KEYS = round(MERGE_TOKENS_PER_PARTIAL)
+#: What a unit's start takes on the line: the overhead in whole pieces (rounded up, so a slot
+#: never costs more than its budget).
+OVERHEAD_PIECES = max(1, -(-OVERHEAD_KEYS // PIECE_KEYS))
+#: The width and split searches: candidates tried side by side per pass (the device
+#: planner's lanes), and passes (enough for any width below 2^31 pieces: each pass narrows
+#: the range ~31-fold, and the last one steps by 1).
+SEARCH_LANES = 64
+SEARCH_PASSES = 8
+#: Units, slots or segments per vector step of the device planner (a batch of 256 requests
+#: of two row groups takes one step), and its warps: at 4, ptxas spills the sm90 build (16
+#: bytes at 80 registers); at 8 no build of Triton 3.6-3.9 for sm90, gfx942 or gfx950 does.
+PLAN_BLOCK = 512
+PLAN_WARPS = 8
 #: Segments per program of the launch-order kernel (and per step of its rank count).
 ORDER_BLOCK = 64
 #: The device planner's sort key of a segment: ``pool << POOL_SHIFT | start * S + slot``
@@ -118,17 +146,23 @@ def launch_capacity(num_units: int, num_slots: int, num_pools: int) -> int:
     return num_pools * (num_units + -(-num_slots // num_pools))
 
 
-def pool_of(slot: int, num_slots: int, num_pools: int) -> int:
-    """The pool (XCD) of plan slot ``slot``: contiguous ranges of slots."""
-    return slot * num_pools // num_slots
+def pool_of(slot: int, num_slots: int, num_pools: int, used_slots: int | None = None) -> int:
+    """The pool (XCD) of plan slot ``slot`` of ``num_slots``: contiguous ranges of slots.
+    A plan filling only ``used_slots`` of them spreads those over the ranges (slot ``s``
+    where slot ``s * num_slots // used_slots`` would be), so it still reaches every pool and
+    no pool gets more of its slots than the pool has."""
+    used = num_slots if used_slots is None else used_slots
+    return slot * num_slots // used * num_pools // num_slots
 
 
-def launch_order(starts: Sequence[tuple[int, int]], num_slots: int, num_pools: int) -> list[int]:
+def launch_order(
+    starts: Sequence[tuple[int, int]], num_slots: int, num_pools: int, used_slots: int
+) -> list[int]:
     """The segment each stage-1 program walks (or -1), from each segment's planned
     ``(start, slot)``, exactly as the device planner writes it (module docstring)."""
     pools: list[list[tuple[int, int, int]]] = [[] for _ in range(num_pools)]
     for index, (start, slot) in enumerate(starts):
-        pools[pool_of(slot, num_slots, num_pools)].append((start, slot, index))
+        pools[pool_of(slot, num_slots, num_pools, used_slots)].append((start, slot, index))
     depth = max(len(pool) for pool in pools)
     order = [-1] * (num_pools * depth)
     for x, pool in enumerate(pools):
@@ -161,49 +195,124 @@ def _pieces(length: int, capacity_keys: int) -> int:
     return -(-min(max(length, 0), capacity_keys, MAX_KEYS) // PIECE_KEYS)
 
 
-def _slots_used(pieces: Sequence[int], num_groups: int, budget: int, limit: int) -> int:
-    """Slots the greedy packing under ``budget`` fills (stops counting past ``limit``)."""
-    fresh = (budget - OVERHEAD_KEYS) // PIECE_KEYS  # pieces a fresh slot holds
-    slot, used = 0, 0
-    for n in pieces:
-        for _ in range(num_groups):
-            if n == 0:
-                if used > 0 and used + OVERHEAD_KEYS > budget:
-                    slot, used = slot + 1, 0
-                used += OVERHEAD_KEYS
-                continue
-            room = (budget - used - OVERHEAD_KEYS) // PIECE_KEYS
-            if room >= n:
-                used += OVERHEAD_KEYS + n * PIECE_KEYS
-                continue
-            rest = n - max(room, 0)
-            opened = -(-rest // fresh)
-            slot += opened
-            used = OVERHEAD_KEYS + (rest - (opened - 1) * fresh) * PIECE_KEYS
-            if slot >= limit:
-                return slot + 1
-    return slot + 1
+@dataclass(frozen=True)
+class Packing:
+    """How a step is packed (``choose_packing``): the balanced line packing of slots
+    ``width`` pieces wide, or (``splits`` > 0) the uniform split into ``splits`` segments a
+    unit, one slot each."""
+
+    width: int  #: the balanced packing's slot width in pieces of line; 0 for the uniform split
+    splits: int  #: the uniform split's segments per unit; 0 for the balanced packing
+    budget: int  #: keys: no slot's planned cost exceeds it
+    cost: int  #: the model's bound on the step: the budget plus the longest merge
+
+
+def _chain_bound(longest: int, width: int) -> int:
+    """The most segments a unit of ``longest`` pieces takes in slots ``width`` pieces wide,
+    at the worst offset on the line."""
+    return 1 if longest <= 1 else (longest + width - 2) // width + 1
+
+
+def merge_cost(chain: int) -> int:
+    """The model's cost of the merge when a unit has the most partials, ``chain`` (a unit in
+    one segment merges nothing)."""
+    return MERGE_KEYS * chain if chain > 1 else 0
+
+
+def _balanced_cost(width: int, longest: int) -> int:
+    return width * PIECE_KEYS + OVERHEAD_KEYS + merge_cost(_chain_bound(longest, width))
+
+
+def _uniform_cost(splits: int, longest: int) -> int:
+    return -(-longest // splits) * PIECE_KEYS + OVERHEAD_KEYS + merge_cost(splits)
+
+
+def _lane_search(cost: Callable[[int], int], low: int, high: int) -> tuple[int, int]:
+    """The candidate of least ``cost`` in ``[low, high]`` (ties: the smallest) as the device
+    planner finds it: ``SEARCH_LANES`` evenly spaced candidates a pass, then the gap around
+    the best, until the candidates are 1 apart."""
+    for _ in range(SEARCH_PASSES):
+        step = max(1, -(-(high - low) // (SEARCH_LANES - 1)))
+        best, best_cost = low, cost(low)
+        for lane in range(1, SEARCH_LANES):
+            candidate = min(low + lane * step, high)
+            if cost(candidate) < best_cost:
+                best, best_cost = candidate, cost(candidate)
+        if step == 1:
+            break
+        low, high = max(low, best - step + 1), min(high, best + step - 1)
+    return best, best_cost
+
+
+def choose_packing(pieces: Sequence[int], num_groups: int, num_slots: int) -> Packing:
+    """The packing of units of ``pieces`` (per request, ``num_groups`` units each) over
+    ``num_slots`` slots that the model charges least (module docstring): the balanced
+    width with every unit in the slots, or the uniform split where it fits one wave and
+    costs less. Both costs bound what the tables cost in the model, the uniform one being
+    exactly what the old split of that count costs in one wave, so the schedule built never
+    costs more than any such split."""
+    units = num_groups * len(pieces)
+    line = num_groups * sum(OVERHEAD_PIECES + n for n in pieces)
+    longest = max(pieces)
+    low = max(1, -(-line // num_slots))
+    width, cost = _lane_search(lambda w: _balanced_cost(w, longest), low, max(low, longest))
+    packing = Packing(width, 0, width * PIECE_KEYS + OVERHEAD_KEYS, cost)
+    if units <= num_slots:
+        splits, uniform = _lane_search(lambda s: _uniform_cost(s, longest), 1, num_slots // units)
+        if uniform < cost:
+            budget = -(-longest // splits) * PIECE_KEYS + OVERHEAD_KEYS
+            packing = Packing(0, splits, budget, uniform)
+    return packing
 
 
 def search_budget(pieces: Sequence[int], num_groups: int, num_slots: int) -> int:
-    """The packing budget (keys of cost per slot): see the module docstring."""
-    total = num_groups * sum(pieces)
-    units = num_groups * len(pieces)
-    # Some slot holds ceil(total / S) pieces and one overhead: no smaller budget fits.
-    low = OVERHEAD_KEYS + PIECE_KEYS * max(1, -(-total // num_slots))
-    # One slot holding everything always fits.
-    high = max(low, OVERHEAD_KEYS * units + PIECE_KEYS * total)
-    while True:
-        step = max(1, -(-(high - low) // (SEARCH_LANES - 1)))
-        previous = low - 1
-        for lane in range(SEARCH_LANES):
-            budget = min(low + lane * step, high)
-            if _slots_used(pieces, num_groups, budget, num_slots) <= num_slots:
-                break
-            previous = budget
-        if lane == 0 or step == 1:
-            return budget
-        low, high = previous + 1, budget
+    """The packing budget (keys of cost per slot) ``host_schedule`` plans these units under."""
+    return choose_packing(pieces, num_groups, num_slots).budget
+
+
+def _line_segments(
+    pieces: Sequence[int], num_groups: int, width: int
+) -> list[tuple[int, int, int, int, int, int]]:
+    """``(unit, k, first piece, end piece, slot, count)`` of every segment of the line
+    packing ``width`` pieces wide, in unit order (the unit's ``k``-th of ``count``)."""
+    out = []
+    start = 0  # the unit's place on the line
+    for u in range(num_groups * len(pieces)):
+        n = pieces[u // num_groups]
+        first = start + OVERHEAD_PIECES  # its first piece's place
+        if n == 0:
+            # An empty unit is its prologue: the slot where that ends.
+            out.append((u, 0, 0, 0, (first - 1) // width, 1))
+        else:
+            low, high = first // width, (first + n - 1) // width
+            for slot in range(low, high + 1):
+                a = max(0, slot * width - first)
+                b = min(n, (slot + 1) * width - first)
+                out.append((u, slot - low, a, b, slot, high - low + 1))
+        start = first + n
+    return out
+
+
+def _split_chunk(n: int, splits: int) -> int:
+    """The chunk, in pieces, of a unit of ``n`` pieces in the uniform split: ``n`` in at most
+    ``splits`` equal chunks, none empty."""
+    return -(-n // min(splits, max(n, 1)))
+
+
+def _split_segments(
+    pieces: Sequence[int], num_groups: int, splits: int
+) -> list[tuple[int, int, int, int, int, int]]:
+    """The uniform split as ``_line_segments`` gives segments: every unit in at most
+    ``splits`` chunks of ``ceil(n / splits)`` pieces (a shorter unit one piece a chunk, an
+    empty one whole), one slot each, in unit order."""
+    out = []
+    for u in range(num_groups * len(pieces)):
+        n = pieces[u // num_groups]
+        chunk = max(1, _split_chunk(n, splits))
+        count = max(1, -(-n // chunk))
+        for k in range(count):
+            out.append((u, k, k * chunk, min((k + 1) * chunk, n), len(out), count))
+    return out
 
 
 def host_schedule(
@@ -218,52 +327,39 @@ def host_schedule(
     """The schedule of ``lengths`` (host ints), as the device planner would build it."""
     _check_pools(num_pools)
     pieces = [_pieces(int(length), capacity_keys) for length in lengths]
-    batch = len(pieces)
-    units = batch * num_groups
-    budget = search_budget(pieces, num_groups, num_slots)
-    fresh = (budget - OVERHEAD_KEYS) // PIECE_KEYS
+    units = len(pieces) * num_groups
+    packing = choose_packing(pieces, num_groups, num_slots)
+    if packing.splits:
+        rows = _split_segments(pieces, num_groups, packing.splits)
+    else:
+        rows = _line_segments(pieces, num_groups, packing.width)
+    used = rows[-1][4] + 1
     slot_segments = [0] * (num_slots + 1)
     segments: list[tuple[int, int, int, int]] = []
     unit_parts = [(-1, 1)] * units
     split_units = [-1] * num_slots
     starts: list[tuple[int, int]] = []  # each segment's planned (start, slot)
-    slot, used, partials, cut = 0, 0, 0, 0
-    for u in range(units):
-        n = pieces[u // num_groups]
-        if n == 0:
-            if used > 0 and used + OVERHEAD_KEYS > budget:
-                slot, used = slot + 1, 0
-                slot_segments[slot] = len(segments)
-            segments.append((u, 0, 0, -1))
-            starts.append((used, slot))
-            used += OVERHEAD_KEYS
-            continue
-        room = (budget - used - OVERHEAD_KEYS) // PIECE_KEYS
-        count = 1 if room >= n else int(room >= 1) + -(-(n - max(room, 0)) // fresh)
-        if count > 1:
-            unit_parts[u] = (partials, count)
-            split_units[cut] = u
-            cut += 1
-        done = 0
-        for piece in range(count):
-            room = (budget - used - OVERHEAD_KEYS) // PIECE_KEYS
-            if room < 1:
-                slot, used = slot + 1, 0
-                slot_segments[slot] = len(segments)
-                room = fresh
-            take = min(n - done, room)
-            part = partials + piece if count > 1 else -1
-            segments.append((u, done * PIECE_KEYS, (done + take) * PIECE_KEYS, part))
-            starts.append((used, slot))
-            used += OVERHEAD_KEYS + take * PIECE_KEYS
-            done += take
-        if count > 1:
-            partials += count
-    for s in range(slot + 1, num_slots + 1):
+    partials, cut, slot, load = 0, 0, -1, 0
+    for unit, k, a, b, s, count in rows:
+        if s != slot:
+            # Slots inside a prologue wider than the slots stay empty: they begin where the
+            # next one does.
+            slot_segments[slot + 1 : s + 1] = [len(segments)] * (s - slot)
+            slot, load = s, 0
+        if count > 1 and unit_parts[unit][0] < 0:
+            # A unit's partials are consecutive whatever order its segments come in.
+            unit_parts[unit] = (partials, count)
+            split_units[cut] = unit
+            partials, cut = partials + count, cut + 1
+        part = unit_parts[unit][0] + k if count > 1 else -1
+        segments.append((unit, a * PIECE_KEYS, b * PIECE_KEYS, part))
+        starts.append((load, s))
+        load += OVERHEAD_KEYS + (b - a) * PIECE_KEYS
+    for s in range(used, num_slots + 1):
         slot_segments[s] = len(segments)
     seg_table = torch.zeros(segment_capacity(units, num_slots), 4, dtype=torch.int32)
     seg_table[: len(segments)] = torch.tensor(segments, dtype=torch.int32).view(-1, 4)
-    order = launch_order(starts, num_slots, num_pools)
+    order = launch_order(starts, num_slots, num_pools, used)
     # Capacity-sized like the device planner's, so the device may rewrite these tables.
     order_table = torch.full((launch_capacity(units, num_slots, num_pools),), -1, dtype=torch.int32)
     order_table[: len(order)] = torch.tensor(order, dtype=torch.int32)
@@ -276,7 +372,7 @@ def host_schedule(
         num_slots=num_slots,
         num_groups=num_groups,
         num_pools=num_pools,
-        used_slots=slot + 1,
+        used_slots=used,
         num_partials=partials,
         num_programs=len(order),
     )
@@ -332,47 +428,91 @@ def uniform_schedule(
 
 
 @triton.jit
-def _pieces_of(seqlens_ptr, b, capacity_keys, PIECE: tl.constexpr):
-    length = tl.load(seqlens_ptr + b).to(tl.int64)
+def _pieces_of(seqlens_ptr, b, mask, capacity_keys, PIECE: tl.constexpr):
+    length = tl.load(seqlens_ptr + b, mask=mask, other=0).to(tl.int64)
     length = tl.minimum(tl.maximum(length, 0), capacity_keys)
     return (length + PIECE - 1) // PIECE
 
 
 @triton.jit
-def _slots_used_lanes(
-    seqlens_ptr,
-    batch,
-    num_groups,
-    capacity_keys,
-    budget,  # [LANES] int64
-    limit,
+def _packing_cost(
+    candidate,  # [LANES] int64: widths, or split counts when UNIFORM
+    longest,
+    UNIFORM: tl.constexpr,
     OVERHEAD: tl.constexpr,
+    MERGE: tl.constexpr,
     PIECE: tl.constexpr,
 ):
-    """``_slots_used`` for every lane's budget at once; saturates at ``limit`` slots (the
-    host's early stop: both call a lane infeasible exactly when it needs more than limit)."""
-    fresh = (budget - OVERHEAD) // PIECE
-    slot = tl.zeros_like(budget)
-    used = tl.zeros_like(budget)
-    for b in range(0, batch):
-        n = _pieces_of(seqlens_ptr, b, capacity_keys, PIECE)
-        for _g in range(0, num_groups):
-            if n == 0:
-                full = (used > 0) & (used + OVERHEAD > budget)
-                slot = tl.where(full, slot + 1, slot)
-                used = tl.where(full, 0, used) + OVERHEAD
-            else:
-                room = (budget - used - OVERHEAD) // PIECE
-                fits = room >= n
-                rest = n - tl.maximum(room, 0)
-                opened = (rest + fresh - 1) // fresh
-                slot = tl.where(fits, slot, tl.minimum(slot + opened, limit))
-                used = tl.where(
-                    fits,
-                    used + OVERHEAD + n * PIECE,
-                    OVERHEAD + (rest - (opened - 1) * fresh) * PIECE,
-                )
-    return slot + 1
+    """``_balanced_cost`` / ``_uniform_cost`` of every lane."""
+    if UNIFORM:
+        slot = (longest + candidate - 1) // candidate * PIECE
+        chain = candidate
+    else:
+        slot = candidate * PIECE
+        chain = tl.where(longest <= 1, 1, (longest + candidate - 2) // candidate + 1)
+    return slot + OVERHEAD + tl.where(chain > 1, MERGE * chain, 0)
+
+
+@triton.jit
+def _lane_search_lanes(
+    low,
+    high,
+    longest,
+    UNIFORM: tl.constexpr,
+    OVERHEAD: tl.constexpr,
+    MERGE: tl.constexpr,
+    PIECE: tl.constexpr,
+    LANES: tl.constexpr,
+    PASSES: tl.constexpr,
+):
+    """The host's ``_lane_search`` with the candidates as vector lanes: (best, its cost)."""
+    lanes = tl.arange(0, LANES).to(tl.int64)
+    best = low
+    best_cost = low * 0
+    done = low < 0  # False, as a scalar the loop carries
+    for _pass in tl.static_range(PASSES):
+        if not done:
+            step = tl.maximum((high - low + LANES - 2) // (LANES - 1), 1)
+            candidate = tl.minimum(low + lanes * step, high)
+            cost = _packing_cost(candidate, longest, UNIFORM, OVERHEAD, MERGE, PIECE)
+            best_cost = tl.min(cost, axis=0)
+            # The first lane of least cost: the smallest candidate, as the host's strict <.
+            first = tl.min(tl.where(cost == best_cost, lanes, LANES), axis=0)
+            best = tl.sum(tl.where(lanes == first, candidate, 0), axis=0)
+            done = step == 1
+            low = tl.maximum(low, best - step + 1)
+            high = tl.minimum(high, best + step - 1)
+    return best, best_cost
+
+
+@triton.jit
+def _last_at_most(sorted_ptr, count, value, mask, steps):
+    """Per lane, the last index ``j < count`` with ``sorted[j] <= value`` (``sorted``
+    increasing, ``sorted[0] <= value``): ``steps`` >= log2(count) halvings."""
+    low = tl.zeros_like(value)
+    high = tl.zeros_like(value) + count
+    for _ in range(0, steps):
+        mid = (low + high) // 2
+        open_ = high - low > 1
+        at = tl.load(sorted_ptr + mid, mask=mask & open_, other=0)
+        up = at <= value
+        low = tl.where(open_ & up, mid, low)
+        high = tl.where(open_ & ~up, mid, high)
+    return low
+
+
+@triton.jit
+def _split_chunk_of(n, splits):
+    """``_split_chunk`` of every lane."""
+    return (n + tl.minimum(splits, tl.maximum(n, 1)) - 1) // tl.minimum(splits, tl.maximum(n, 1))
+
+
+@triton.jit
+def _first_slot(line, pieces, width, LINE_OVERHEAD: tl.constexpr):
+    """The slot of a unit's first segment: of its first piece, or for an empty unit of the
+    end of its prologue."""
+    first = line + LINE_OVERHEAD
+    return tl.where(pieces == 0, (first - 1) // width, first // width)
 
 
 @triton.jit
@@ -382,7 +522,10 @@ def _plan_schedule_kernel(
     segments_ptr,  # [B * G + S, 4] int32
     unit_parts_ptr,  # [B * G, 2] int32
     split_units_ptr,  # [S] int32
-    starts_ptr,  # [B * G + S] int64: each segment's sort key (POOL_SHIFT)
+    keys_ptr,  # [B * G + S] int64: each segment's launch sort key (POOL_SHIFT)
+    line_ptr,  # [B * G] int64 scratch: each unit's place on the line
+    first_ptr,  # [B * G] int64 scratch: each unit's first segment
+    head_ptr,  # [S] int64 scratch: each used slot's first piece on the line
     launch_order_ptr,  # [launch capacity] int32: cleared to -1 here (_launch_order_kernel)
     batch,
     num_groups,
@@ -390,115 +533,153 @@ def _plan_schedule_kernel(
     num_pools,
     capacity_keys,
     launch_programs,
+    search_steps,  # halvings of a binary search over the units (> log2(B * G))
     OVERHEAD: tl.constexpr,
+    LINE_OVERHEAD: tl.constexpr,
+    MERGE: tl.constexpr,
     POOL_SHIFT: tl.constexpr,
     PIECE: tl.constexpr,
     LANES: tl.constexpr,
-    MAX_PASSES: tl.constexpr,
-    BLOCK_B: tl.constexpr,
+    PASSES: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """One program: ``host_schedule``'s integer steps on the device (module docstring)."""
+    """``host_schedule`` on the device, one program (module docstring): the step's totals,
+    the packing's choice, then per unit, per slot and per segment a vector step over
+    ``BLOCK`` of them at a time, each reading only what an earlier step wrote (a barrier
+    between them)."""
     capacity_keys = tl.cast(capacity_keys, tl.int64)
-    total = tl.zeros([BLOCK_B], tl.int64)
-    for b0 in range(0, batch, BLOCK_B):
-        offs = b0 + tl.arange(0, BLOCK_B)
-        length = tl.load(seqlens_ptr + offs, mask=offs < batch, other=0).to(tl.int64)
-        length = tl.minimum(tl.maximum(length, 0), capacity_keys)
-        total += (length + PIECE - 1) // PIECE
-    total = tl.sum(total, axis=0) * num_groups
+    offs = tl.arange(0, BLOCK)
     units = batch * num_groups
-    low = OVERHEAD + PIECE * tl.maximum((total + num_slots - 1) // num_slots, 1)
-    high = tl.maximum(low, OVERHEAD * tl.cast(units, tl.int64) + PIECE * total)
-    lanes = tl.arange(0, LANES).to(tl.int64)
-    chosen = high
-    done = low < 0  # False, as a scalar the loop carries
-    for _pass in range(0, MAX_PASSES):
-        if not done:
-            step = tl.maximum((high - low + LANES - 2) // (LANES - 1), 1)
-            t = tl.minimum(low + lanes * step, high)
-            used = _slots_used_lanes(
-                seqlens_ptr,
-                batch,
-                num_groups,
-                capacity_keys,
-                t,
-                num_slots,
-                OVERHEAD,
-                PIECE,
-            )
-            first = tl.min(tl.where(used <= num_slots, lanes, LANES), axis=0)
-            t_first = tl.sum(tl.where(lanes == first, t, 0), axis=0)
-            t_prev = tl.sum(tl.where(lanes == first - 1, t, 0), axis=0)
-            chosen = t_first
-            done = (first == 0) | (step == 1)
-            low = t_prev + 1
-            high = t_first
-    budget = chosen
-    fresh = (budget - OVERHEAD) // PIECE
 
-    # Emit the packing under the chosen budget.
-    slot = 0
-    used = budget * 0
-    nseg = 0
-    partials = 0
-    cut = 0
-    tl.store(slot_segments_ptr, 0)
-    for u in range(0, units):
-        n = _pieces_of(seqlens_ptr, u // num_groups, capacity_keys, PIECE)
-        if n == 0:
-            if (used > 0) & (used + OVERHEAD > budget):
-                slot += 1
-                used = used * 0
-                tl.store(slot_segments_ptr + slot, nseg)
-            pool = (slot * num_pools // num_slots).to(tl.int64)
-            tl.store(starts_ptr + nseg, (pool << POOL_SHIFT) + used * num_slots + slot)
-            tl.store(segments_ptr + nseg * 4, u)
-            tl.store(segments_ptr + nseg * 4 + 1, 0)
-            tl.store(segments_ptr + nseg * 4 + 2, 0)
-            tl.store(segments_ptr + nseg * 4 + 3, -1)
-            tl.store(unit_parts_ptr + u * 2, -1)
-            tl.store(unit_parts_ptr + u * 2 + 1, 1)
-            nseg += 1
-            used += OVERHEAD
+    # The line's length and the longest unit.
+    line_total = tl.zeros([BLOCK], tl.int64)
+    longest = tl.zeros([BLOCK], tl.int64)
+    for b0 in range(0, batch, BLOCK):
+        b = b0 + offs
+        n = _pieces_of(seqlens_ptr, b, b < batch, capacity_keys, PIECE)
+        line_total += tl.where(b < batch, LINE_OVERHEAD + n, 0)
+        longest = tl.maximum(longest, n)
+    line_total = tl.sum(line_total, axis=0) * num_groups
+    longest = tl.max(longest, axis=0)
+
+    # The packing (choose_packing).
+    low = tl.maximum(1, (line_total + num_slots - 1) // num_slots)
+    width, cost = _lane_search_lanes(
+        low, tl.maximum(low, longest), longest, False, OVERHEAD, MERGE, PIECE, LANES, PASSES
+    )
+    splits = width * 0
+    if units <= num_slots:
+        most = tl.cast(num_slots // units, tl.int64)
+        best, uniform_cost = _lane_search_lanes(
+            most * 0 + 1, most, longest, True, OVERHEAD, MERGE, PIECE, LANES, PASSES
+        )
+        if uniform_cost < cost:
+            splits = best
+    uniform = splits > 0
+    # Neither candidate's divisions may see a zero (the other one's is).
+    width = tl.where(uniform, 1, width)
+    splits = tl.where(uniform, splits, 1)
+
+    # Per unit: its place on the line, its segments, the first one and its partials (prefix
+    # sums over the units before it).
+    line_carry = line_total * 0
+    seg_carry = line_total * 0
+    part_carry = line_total * 0
+    cut_carry = line_total * 0
+    for u0 in range(0, units, BLOCK):
+        u = u0 + offs
+        valid = u < units
+        n = _pieces_of(seqlens_ptr, u // num_groups, valid, capacity_keys, PIECE)
+        size = tl.where(valid, LINE_OVERHEAD + n, 0)
+        line = line_carry + tl.cumsum(size, axis=0) - size
+        if uniform:
+            chunk = tl.maximum(_split_chunk_of(n, splits), 1)
+            count = tl.where(valid, tl.maximum((n + chunk - 1) // chunk, 1), 0)
         else:
-            room = (budget - used - OVERHEAD) // PIECE
-            count = tl.where(
-                room >= n,
-                1,
-                tl.where(room >= 1, 1, 0) + (n - tl.maximum(room, 0) + fresh - 1) // fresh,
-            ).to(tl.int32)
-            split = count > 1
-            tl.store(unit_parts_ptr + u * 2, tl.where(split, partials, -1))
-            tl.store(unit_parts_ptr + u * 2 + 1, count)
-            if split:
-                tl.store(split_units_ptr + cut, u)
-                cut += 1
-            done_pieces = n * 0
-            for piece in range(0, count):
-                room = (budget - used - OVERHEAD) // PIECE
-                if room < 1:
-                    slot += 1
-                    used = used * 0
-                    tl.store(slot_segments_ptr + slot, nseg)
-                    room = fresh
-                take = tl.minimum(n - done_pieces, room)
-                pool = (slot * num_pools // num_slots).to(tl.int64)
-                tl.store(starts_ptr + nseg, (pool << POOL_SHIFT) + used * num_slots + slot)
-                tl.store(segments_ptr + nseg * 4, u)
-                tl.store(segments_ptr + nseg * 4 + 1, (done_pieces * PIECE).to(tl.int32))
-                tl.store(segments_ptr + nseg * 4 + 2, ((done_pieces + take) * PIECE).to(tl.int32))
-                tl.store(segments_ptr + nseg * 4 + 3, tl.where(split, partials + piece, -1))
-                nseg += 1
-                used += OVERHEAD + take * PIECE
-                done_pieces += take
-            partials += tl.where(split, count, 0)
-    for s0 in range(0, num_slots + 1, BLOCK_B):
-        offs = s0 + tl.arange(0, BLOCK_B)
-        tl.store(slot_segments_ptr + offs, nseg, mask=(offs > slot) & (offs <= num_slots))
-        tl.store(split_units_ptr + offs, -1, mask=(offs >= cut) & (offs < num_slots))
-    for p0 in range(0, launch_programs, BLOCK_B):
-        offs = p0 + tl.arange(0, BLOCK_B)
-        tl.store(launch_order_ptr + offs, -1, mask=offs < launch_programs)
+            low_slot = _first_slot(line, n, width, LINE_OVERHEAD)
+            high_slot = tl.where(n == 0, low_slot, (line + LINE_OVERHEAD + n - 1) // width)
+            count = tl.where(valid, high_slot - low_slot + 1, 0)
+        cut = count > 1
+        parts = tl.where(cut, count, 0)
+        part_first = part_carry + tl.cumsum(parts, axis=0) - parts
+        cuts = cut.to(tl.int64)
+        cut_index = cut_carry + tl.cumsum(cuts, axis=0) - cuts
+        tl.store(line_ptr + u, line, mask=valid)
+        tl.store(first_ptr + u, seg_carry + tl.cumsum(count, axis=0) - count, mask=valid)
+        tl.store(unit_parts_ptr + u * 2, tl.where(cut, part_first, -1).to(tl.int32), mask=valid)
+        tl.store(unit_parts_ptr + u * 2 + 1, tl.where(cut, count, 1).to(tl.int32), mask=valid)
+        tl.store(split_units_ptr + cut_index, u.to(tl.int32), mask=valid & cut)
+        line_carry += tl.sum(size, axis=0)
+        seg_carry += tl.sum(count, axis=0)
+        part_carry += tl.sum(parts, axis=0)
+        cut_carry += tl.sum(cuts, axis=0)
+    segments = seg_carry
+    used = tl.where(uniform, segments, (line_total - 1) // width + 1)
+    for s0 in range(0, num_slots, BLOCK):
+        s = s0 + offs
+        tl.store(split_units_ptr + s, -1, mask=(s >= cut_carry) & (s < num_slots))
+    tl.debug_barrier()
+
+    # Per slot: its first segment (a slot inside a prologue wider than the slots has none:
+    # the next one's), and where on the line its first piece lies.
+    for s0 in range(0, num_slots + 1, BLOCK):
+        s = (s0 + offs).to(tl.int64)
+        live = s < used
+        if uniform:
+            first_segment = s
+        else:
+            at = s * width
+            w = _last_at_most(line_ptr, units, at, live, search_steps)
+            line = tl.load(line_ptr + w, mask=live, other=0)
+            n = _pieces_of(seqlens_ptr, w // num_groups, live, capacity_keys, PIECE)
+            first_segment = tl.load(first_ptr + w, mask=live, other=0)
+            first_segment += tl.maximum(s - _first_slot(line, n, width, LINE_OVERHEAD), 0)
+            tl.store(head_ptr + s, tl.maximum(at, line + LINE_OVERHEAD), mask=live)
+        tl.store(
+            slot_segments_ptr + s,
+            tl.where(live, first_segment, segments).to(tl.int32),
+            mask=s <= num_slots,
+        )
+    tl.debug_barrier()
+
+    # Per segment: its keys and partial, and its launch key (planned start, slot, pool).
+    for i0 in range(0, segments, BLOCK):
+        i = (i0 + offs).to(tl.int64)
+        valid = i < segments
+        unit = _last_at_most(first_ptr, units, i, valid, search_steps)
+        line = tl.load(line_ptr + unit, mask=valid, other=0)
+        k = i - tl.load(first_ptr + unit, mask=valid, other=0)
+        n = _pieces_of(seqlens_ptr, unit // num_groups, valid, capacity_keys, PIECE)
+        count = tl.load(unit_parts_ptr + unit * 2 + 1, mask=valid, other=1)
+        part_first = tl.load(unit_parts_ptr + unit * 2, mask=valid, other=-1)
+        part = tl.where(count > 1, part_first + k, -1)
+        if uniform:
+            chunk = _split_chunk_of(n, splits)
+            first_piece = k * chunk
+            end_piece = tl.minimum(first_piece + chunk, n)
+            slot = i
+            start = i * 0
+        else:
+            slot = _first_slot(line, n, width, LINE_OVERHEAD) + k
+            piece0 = line + LINE_OVERHEAD  # the unit's first piece on the line
+            first_piece = tl.maximum(slot * width - piece0, 0)
+            end_piece = tl.minimum((slot + 1) * width - piece0, n)
+            # Start = the slot's earlier segments' cost: the line between the slot's first
+            # piece and this one, plus what each segment's overhead exceeds its line share.
+            head = tl.load(head_ptr + slot, mask=valid, other=0)
+            before = i - tl.load(slot_segments_ptr + slot, mask=valid, other=0)
+            start = PIECE * (piece0 + first_piece - head)
+            start += (OVERHEAD - LINE_OVERHEAD * PIECE) * before
+        row = segments_ptr + i * 4
+        tl.store(row, unit.to(tl.int32), mask=valid)
+        tl.store(row + 1, (first_piece * PIECE).to(tl.int32), mask=valid)
+        tl.store(row + 2, (end_piece * PIECE).to(tl.int32), mask=valid)
+        tl.store(row + 3, part.to(tl.int32), mask=valid)
+        pool = slot * num_slots // used * num_pools // num_slots
+        tl.store(keys_ptr + i, (pool << POOL_SHIFT) + start * num_slots + slot, mask=valid)
+    for p0 in range(0, launch_programs, BLOCK):
+        p = p0 + offs
+        tl.store(launch_order_ptr + p, -1, mask=p < launch_programs)
 
 
 @triton.jit
@@ -533,22 +714,47 @@ def _launch_order_kernel(
         tl.store(launch_order_ptr + rank * num_pools + pool.to(tl.int32), mine, mask=valid)
 
 
+#: ``_plan_schedule_kernel``'s constexprs: the model and search constants above.
+PLANNER_CONSTEXPRS = {
+    "OVERHEAD": OVERHEAD_KEYS,
+    "LINE_OVERHEAD": OVERHEAD_PIECES,
+    "MERGE": MERGE_KEYS,
+    "POOL_SHIFT": POOL_SHIFT,
+    "PIECE": PIECE_KEYS,
+    "LANES": SEARCH_LANES,
+    "PASSES": SEARCH_PASSES,
+    "BLOCK": PLAN_BLOCK,
+}
+
+
 def device_schedule(
     cache_seqlens: torch.Tensor,
     tables: ScheduleTables,
     *,
     capacity_keys: int,
 ) -> None:
-    """Rewrite ``tables`` on the device from ``cache_seqlens`` (no host read; graph-safe)."""
+    """Rewrite ``tables`` on the device from ``cache_seqlens`` (no host read; graph-safe):
+    two launches whatever the batch (module docstring)."""
     batch = cache_seqlens.shape[0]
-    starts = torch.empty(tables.segments.shape[0], dtype=torch.int64, device=tables.segments.device)
+    units = batch * tables.num_groups
+    segments = tables.segments.shape[0]
+    # One scratch buffer, each part 16-byte aligned (Triton specializes pointers on it).
+    sizes = [segments, units, units, tables.num_slots]
+    ends = [0]
+    for size in sizes:
+        ends.append(ends[-1] + -(-size // 2) * 2)
+    scratch = torch.empty(ends[-1], dtype=torch.int64, device=tables.segments.device)
+    keys, line, first, head = (scratch[a : a + n] for a, n in zip(ends, sizes, strict=False))
     _plan_schedule_kernel[(1,)](
         cache_seqlens,
         tables.slot_segments,
         tables.segments,
         tables.unit_parts,
         tables.split_units,
-        starts,
+        keys,
+        line,
+        first,
+        head,
         tables.launch_order,
         batch,
         tables.num_groups,
@@ -556,23 +762,18 @@ def device_schedule(
         tables.num_pools,
         min(capacity_keys, MAX_KEYS),
         tables.launch_order.shape[0],
-        OVERHEAD=OVERHEAD_KEYS,
-        POOL_SHIFT=POOL_SHIFT,
-        PIECE=PIECE_KEYS,
-        LANES=SEARCH_LANES,
-        MAX_PASSES=8,
-        BLOCK_B=256,
-        num_warps=4,
+        max(1, units.bit_length()),
+        **PLANNER_CONSTEXPRS,
+        num_warps=PLAN_WARPS,
     )
-    block = ORDER_BLOCK
-    _launch_order_kernel[(triton.cdiv(starts.shape[0], block),)](
+    _launch_order_kernel[(triton.cdiv(segments, ORDER_BLOCK),)](
         tables.slot_segments,
-        starts,
+        keys,
         tables.launch_order,
         tables.num_slots,
         tables.num_pools,
         POOL_SHIFT=POOL_SHIFT,
-        BLOCK=block,
+        BLOCK=ORDER_BLOCK,
         num_warps=4,
     )
 
@@ -584,18 +785,19 @@ def empty_tables(
     device: torch.device | str,
     num_pools: int = 1,
 ) -> ScheduleTables:
-    """Tables of the right capacity for ``device_schedule`` to fill."""
+    """Tables of the right capacity for ``device_schedule`` to fill (left uninitialized: the
+    planner writes every entry anything reads)."""
     _check_pools(num_pools)
     units = batch * num_groups
     return ScheduleTables(
-        slot_segments=torch.zeros(num_slots + 1, dtype=torch.int32, device=device),
-        segments=torch.zeros(
+        slot_segments=torch.empty(num_slots + 1, dtype=torch.int32, device=device),
+        segments=torch.empty(
             segment_capacity(units, num_slots), 4, dtype=torch.int32, device=device
         ),
-        unit_parts=torch.zeros(units, 2, dtype=torch.int32, device=device),
-        split_units=torch.zeros(num_slots, dtype=torch.int32, device=device),
-        launch_order=torch.full(
-            (launch_capacity(units, num_slots, num_pools),), -1, dtype=torch.int32, device=device
+        unit_parts=torch.empty(units, 2, dtype=torch.int32, device=device),
+        split_units=torch.empty(num_slots, dtype=torch.int32, device=device),
+        launch_order=torch.empty(
+            launch_capacity(units, num_slots, num_pools), dtype=torch.int32, device=device
         ),
         num_slots=num_slots,
         num_groups=num_groups,
@@ -690,3 +892,14 @@ def list_scheduled_loads(
         loads[slot] = finish + entry.end_key - entry.first_key + overhead
         heapq.heappush(pool, (loads[slot], slot))
     return loads
+
+
+def model_cost(tables: ScheduleTables, num_slots: int | None = None) -> int:
+    """What running ``tables`` costs in the model (module docstring), in keys: stage 1
+    list-scheduled in launch order onto ``num_slots`` slots (by default the tables'; program
+    ``p`` to the earliest-free slot of pool ``p % X``), then the merge of the unit with the
+    most partials. ``rocm-mla bench schedule`` ranks every schedule by it."""
+    slots = tables.num_slots if num_slots is None else num_slots
+    loads = list_scheduled_loads(schedule_entries(tables), slots, tables.num_pools, OVERHEAD_KEYS)
+    chain = max(count for _, count in tables.unit_parts.tolist())
+    return max(loads) + merge_cost(chain)
