@@ -181,7 +181,8 @@ def test_one_case_end_to_end(tmp_path):
     assert payload["summary"]["checks_failed"] == []
     # The plan the row ran, as every GPU result records it.
     plan = row["plan"]
-    assert plan["num_slots"] == 3 and plan["config"]["block_h"] == 16
+    assert plan["num_slots"] == row["slots"] and plan["config"]["block_h"] == 16
+    assert plan["used_slots"] == row["balanced_used_slots"] <= row["slots"]
     assert plan["num_partials"] == row["balanced_partials"] and plan["fingerprint"]
     assert "launched" in plan and "plan tiny" in bench.table_text(payload)
     path = bench.write(payload, tmp_path)
