@@ -791,14 +791,18 @@ def add_gpu_ratios(rows: list[dict], copy_bw: float, datasheet_bw: float | None)
                 theirs = twin["times_us"][col] if twin else None
                 ratios[key] = theirs / t[col] if theirs and t[col] else None
         r["ratios"] = ratios
-        r["pct_copy"] = {
-            c: round(100 * r["bytes"] / (v * 1e-6) / copy_bw, 2) for c, v in t.items() if v
-        }
+        r["pct_copy"] = {c: _percent(r["bytes"] / (v * 1e-6), copy_bw) for c, v in t.items() if v}
         r["pct_datasheet"] = None
         if datasheet_bw is not None:
             r["pct_datasheet"] = {
-                c: round(100 * r["bytes"] / (v * 1e-6) / datasheet_bw, 2) for c, v in t.items() if v
+                c: _percent(r["bytes"] / (v * 1e-6), datasheet_bw) for c, v in t.items() if v
             }
+
+
+def _percent(rate: float, peak: float) -> float:
+    """``rate`` as a percentage of ``peak`` to 4 significant digits (not 2 decimals: an
+    interpreter run reaches ~1e-4 % of a copy bandwidth, which must not read as 0)."""
+    return float(f"{100 * rate / peak:.4g}")
 
 
 def acceptance(rows: list[dict]) -> list[dict]:
