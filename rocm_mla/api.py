@@ -325,7 +325,7 @@ def plan_schedule(
         num_slots=slots,
         num_groups=groups,
         block_h=config.block_h,
-        budget_keys=sch.search_budget(pieces, groups, slots),
+        budget_keys=sch.search_budget(pieces, groups, slots, num_pools=config.num_xcds),
         num_programs=tables.num_programs,
         num_pools=tables.num_pools,
     )

@@ -3,7 +3,8 @@ and how many units (request, row group) the planner cuts across slots, so that a
 means to exercise the partials and their merge can assert that it does.
 
 ``mla_decode`` with ``num_slots=S`` runs the device planner; ``tests/test_schedule.py``
-shows it writes the host planner's tables, so the host planner answers here for both.
+shows it writes the host planner's tables without whole units (``whole_units=False``), so
+the host planner answers here for both, by default without them.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def host_tables(
     capacity_keys: int,
     device: torch.device | str = "cpu",
     pools: int = 1,
+    whole_units: bool = False,
 ) -> sch.ScheduleTables:
     if isinstance(lengths, torch.Tensor):
         lengths = [int(v) for v in lengths.cpu().tolist()]
@@ -55,6 +57,7 @@ def host_tables(
         capacity_keys=capacity_keys,
         num_pools=pools,
         device=device,
+        whole_units=whole_units,
     )
 
 

@@ -133,31 +133,36 @@ def test_old_planner_is_far_behind_on_one_long_request(payload: dict) -> None:
     assert uniform["cost"]["balanced"] <= uniform["cost"]["old"]
 
 
-#: The one held-out mix where the old split can cost less: 256 requests of 256-2K keys, a
-#: DCP-8 rank's share (32-256 keys: 1-4 pieces a unit, each less than the overhead a cut
-#: adds). The old split runs those units whole in several waves, and list scheduling packs
-#: whole units tighter than the line packing's cuts (``kernels.schedule``): by 1.076 x at
-#: most over the bench's shapes (gfx950, 512 units on 256 slots), 1.0045 on sm90.
+#: The held-out mix where the line packing alone cost more than the old split: 256 requests
+#: of 256-2K keys, a DCP-8 rank's share (32-256 keys: 1-4 pieces a unit, each less than the
+#: overhead a cut adds). The old split runs those units whole in several waves, and list
+#: scheduling packs whole units tighter than the line's cuts: the line cost 1.076 x the old
+#: split on gfx950 (512 units on 256 slots), 1.0045 on sm90. The host planner now runs them
+#: whole there (``kernels.schedule``, "Whole units").
 MANY_TINY = bench.dcp_name("B256 uniform 256-2K")
 
 
 @pytest.mark.parametrize(
     ("target", "heads", "q_len", "ppc"),
-    [("sm90", 16, 1, 1), ("sm90", 128, 1, 1), ("gfx942", 16, 1, 2), ("gfx950", 128, 4, 1)],
+    [
+        ("sm90", 16, 1, 1),
+        ("sm90", 128, 1, 1),
+        ("gfx942", 16, 1, 2),
+        ("gfx950", 128, 4, 1),
+        ("gfx950", 16, 8, 1),
+    ],
 )
 def test_held_out_mixes_never_cost_more_than_the_old_split(target, heads, q_len, ppc) -> None:
     """The mixes the model was not fitted on, batch of 1 included (and their DCP shares):
-    never costlier than the old split, but for ``MANY_TINY``'s few-percent shortfall."""
+    never costlier than the old split, ``MANY_TINY`` included."""
     every = bench.mixes()
     held_out = {n: v for n, v in every.items() if n.split(" / ")[0] in bench.held_out_mixes()}
     assert len(held_out) == 2 * len(bench.held_out_mixes())
     for mix, lengths in held_out.items():
         row = bench.measure(bench.TARGETS[target], heads, q_len, "bf16", mix, lengths, ppc=ppc)
         assert row["held_out"] and row["bounds_hold"], mix
-        if mix == MANY_TINY:
-            assert row["balanced_over_old"] <= 1.08, row["cost"]
-        else:
-            assert row["gates"]["not_costlier_than_old"], (mix, row["cost"])
+        assert row["gates"]["not_costlier_than_old"], (mix, row["cost"])
+        if mix != MANY_TINY:
             assert row["gates"]["lb_c"], (mix, row["ratio"]["balanced"])
 
 

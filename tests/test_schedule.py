@@ -4,6 +4,7 @@ writing exactly the host planner's tables."""
 
 from __future__ import annotations
 
+import random
 import sys
 
 import pytest
@@ -74,15 +75,22 @@ def _check_launch_order(tables: sch.ScheduleTables, load: list[int]) -> None:
     assert max(ran) <= max(load) and sum(ran) == sum(load)
 
 
-def _check_invariants(lengths, groups, slots, capacity, pools=1):
+def _check_invariants(lengths, groups, slots, capacity, pools=1, whole_units=True):
     tables = sch.host_schedule(
-        lengths, num_groups=groups, num_slots=slots, capacity_keys=capacity, num_pools=pools
+        lengths,
+        num_groups=groups,
+        num_slots=slots,
+        capacity_keys=capacity,
+        num_pools=pools,
+        whole_units=whole_units,
     )
     pieces = [sch._pieces(n, capacity) for n in lengths]
     segs = _segments(tables)
-    packing = sch.choose_packing(pieces, groups, slots)
+    packing = sch.choose_packing(pieces, groups, slots, whole_units=whole_units, num_pools=pools)
     budget = packing.budget
-    assert budget == sch.search_budget(pieces, groups, slots)
+    assert budget == sch.search_budget(
+        pieces, groups, slots, whole_units=whole_units, num_pools=pools
+    )
     # The model's bound the planner chose by holds for the tables it built.
     assert sch.model_cost(tables) <= packing.cost
     # Every slot within the budget; the budget at or above the tile-granular lower bound.
@@ -137,6 +145,27 @@ def _device(lengths, groups, slots, capacity, pools=1) -> sch.ScheduleTables:
     return tables
 
 
+def _host_and_device(lengths, groups, slots, capacity, pools=1) -> sch.ScheduleTables:
+    """The host planner's tables (invariants checked); the device planner's equal the host's
+    without whole units, and cost no less in the model than the host's own."""
+    host = _check_invariants(lengths, groups, slots, capacity, pools)
+    line = _check_invariants(lengths, groups, slots, capacity, pools, whole_units=False)
+    _assert_same(line, _device(lengths, groups, slots, capacity, pools))
+    assert sch.model_cost(host) <= sch.model_cost(line)
+    if sch.choose_packing(
+        [sch._pieces(n, capacity) for n in lengths],
+        groups,
+        slots,
+        whole_units=True,
+        num_pools=pools,
+    ).whole:
+        assert sch.model_cost(host) < sch.model_cost(line)
+        assert host.num_partials == 0 and len(lengths) * groups > slots
+    else:
+        _assert_same(host, line)
+    return host
+
+
 def _assert_same(host: sch.ScheduleTables, device: sch.ScheduleTables) -> None:
     assert torch.equal(host.slot_segments, device.slot_segments)
     used = int(host.slot_segments[-1])
@@ -150,8 +179,7 @@ def _assert_same(host: sch.ScheduleTables, device: sch.ScheduleTables) -> None:
 @pytest.mark.parametrize(("groups", "slots", "pools"), [(1, 8, 1), (2, 5, 1), (3, 16, 8)])
 def test_device_planner_equals_host(mix, groups, slots, pools):
     lengths = MIXES[mix]
-    host = _check_invariants(lengths, groups, slots, BIG, pools)
-    _assert_same(host, _device(lengths, groups, slots, BIG, pools))
+    _host_and_device(lengths, groups, slots, BIG, pools)
 
 
 def test_list_scheduling_in_launch_order_runs_the_plan():
@@ -212,8 +240,7 @@ def test_one_slot_takes_everything_unsplit():
 @example(lengths=[5000, 5000], groups=3, slots=12, capacity=BIG, pools=1)
 @example(lengths=[5000, 0, 0, 0], groups=1, slots=2, capacity=BIG, pools=8)
 def test_fuzz_host_invariants_and_device_equality(lengths, groups, slots, capacity, pools):
-    host = _check_invariants(lengths, groups, slots, capacity, pools)
-    _assert_same(host, _device(lengths, groups, slots, capacity, pools))
+    _host_and_device(lengths, groups, slots, capacity, pools)
 
 
 def test_uniform_schedule_is_the_old_split():
@@ -260,9 +287,38 @@ def test_never_costlier_than_the_uniform_split_or_the_device_plan(lengths, group
     batch = len(lengths)
     splits = choose_num_kv_splits(batch, groups, sum(lengths) / batch, max(lengths), slots)
     uniform = sch.uniform_schedule(lengths, num_groups=groups, splits=splits, capacity_keys=BIG)
-    host = _check_invariants(lengths, groups, slots, BIG, pools)
+    host = _host_and_device(lengths, groups, slots, BIG, pools)
     assert sch.model_cost(host) <= sch.model_cost(uniform, slots)
-    _assert_same(host, _device(lengths, groups, slots, BIG, pools))
+
+
+@pytest.mark.parametrize(("groups", "slots", "pools"), [*GPU_SHAPES, (2, 256, 8)])
+def test_many_short_units_cost_no_more_than_the_old_whole_unit_launch(groups, slots, pools):
+    """A DCP-8 rank's share of 256 requests of 256-2K keys (32-256 keys each: shorter than
+    the overhead): the old split ran every unit whole (one split), and list scheduling left
+    less idle than the line's cuts. The balanced tables cost up to 1.076 x that on gfx950's
+    shape (256 slots, 2 groups); the host now runs the units whole there."""
+    rng = random.Random(7)
+    lengths = [rng.randint(256, 2048) // 8 for _ in range(256)]
+    splits = choose_num_kv_splits(256, groups, sum(lengths) / 256, max(lengths), slots)
+    assert splits == 1
+    uniform = sch.uniform_schedule(lengths, num_groups=groups, splits=1, capacity_keys=BIG)
+    host = _host_and_device(lengths, groups, slots, BIG, pools)
+    assert sch.model_cost(host) <= sch.model_cost(uniform, slots)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 700), min_size=1, max_size=40),
+    groups=st.integers(1, 3),
+    slots=st.integers(1, 24),
+    pools=st.sampled_from([1, 4]),
+)
+def test_fuzz_never_costlier_than_whole_units_in_order(lengths, groups, slots, pools):
+    """Against the old split's single-split launch (every unit whole, in unit order, list-
+    scheduled: what it ran with more units than slots), the host's tables cost no more."""
+    host = _host_and_device(lengths, groups, slots, BIG, pools)
+    whole = sch.uniform_schedule(lengths, num_groups=groups, splits=1, capacity_keys=BIG)
+    assert sch.model_cost(host) <= sch.model_cost(whole, slots)
 
 
 @settings(max_examples=60, deadline=None)

@@ -31,6 +31,17 @@ split of earlier releases wherever that ran in one wave (where it ran in several
 units list-scheduled can beat any cut by a merge of two: ``rocm-mla bench schedule`` shows
 by how much). A slot narrower than a prologue may hold no segment (the next one starts it).
 
+Whole units (``host_schedule`` only). With more units than slots the old split ran every
+unit whole, one program each in unit order, and the hardware list-scheduled them; where the
+units are short next to the overhead (a DCP rank's share of many short requests), that
+leaves less idle than the line, which pays an overhead and a merge for every cut. The host
+planner simulates that list scheduling (a heap over the slots: sequential, so the device
+planner cannot) and runs the units whole, on the slots the simulation gave them, when that
+costs less in the model (``model_cost``) than the balanced packing's tables. So a
+host-planned step never costs more than the old split (its whole-unit launch), nor than the
+device planner's tables for the same lengths, which equal ``host_schedule(...,
+whole_units=False)``.
+
 Tables (int32, fixed capacity for a batch ``B``, groups ``G`` and slots ``S``, so that one
 captured graph replays any lengths):
 
@@ -64,11 +75,12 @@ A slot boundary cuts at most one unit, so at most ``S - 1`` units are cut, into 
 the uniform split is a candidate only when its ``B * G * splits`` segments fit one per slot.
 
 Two planners write the tables: ``host_schedule`` from host lengths (exact grid and partial
-count) and ``device_schedule`` from lengths on the device (no host read, graph-safe): two
-launches whatever the batch, ``_plan_schedule_kernel`` (one program whose every step is a
-vector over up to ``PLAN_BLOCK`` units, slots or segments: prefix sums, closed forms and
-binary searches, no loop over requests) and ``_launch_order_kernel`` (each segment's rank,
-parallel over segments). Both take the same integer steps, so they write the same tables.
+count; whole units besides) and ``device_schedule`` from lengths on the device (no host
+read, graph-safe): two launches whatever the batch, ``_plan_schedule_kernel`` (one program
+whose every step is a vector over up to ``PLAN_BLOCK`` units, slots or segments: prefix
+sums, closed forms and binary searches, no loop over requests) and ``_launch_order_kernel``
+(each segment's rank, parallel over segments). Both take the same integer steps, so they
+write the same tables (the host's whole-unit candidate aside).
 
 When the result may be reused: a schedule holds for the lengths it was built from (host)
 or, built on the device, for the lengths in ``cache_seqlens`` when the planner ran; the
@@ -205,6 +217,8 @@ class Packing:
     splits: int  #: the uniform split's segments per unit; 0 for the balanced packing
     budget: int  #: keys: no slot's planned cost exceeds it
     cost: int  #: the model's bound on the step: the budget plus the longest merge
+    #: Whole units, list-scheduled in unit order (``host_schedule`` only: width and splits 0)
+    whole: bool = False
 
 
 def _chain_bound(longest: int, width: int) -> int:
@@ -244,13 +258,23 @@ def _lane_search(cost: Callable[[int], int], low: int, high: int) -> tuple[int, 
     return best, best_cost
 
 
-def choose_packing(pieces: Sequence[int], num_groups: int, num_slots: int) -> Packing:
+def choose_packing(
+    pieces: Sequence[int],
+    num_groups: int,
+    num_slots: int,
+    *,
+    whole_units: bool = False,
+    num_pools: int = 1,
+) -> Packing:
     """The packing of units of ``pieces`` (per request, ``num_groups`` units each) over
     ``num_slots`` slots that the model charges least (module docstring): the balanced
     width with every unit in the slots, or the uniform split where it fits one wave and
     costs less. Both costs bound what the tables cost in the model, the uniform one being
     exactly what the old split of that count costs in one wave, so the schedule built never
-    costs more than any such split."""
+    costs more than any such split. With ``whole_units`` (the host planner; module
+    docstring, "Whole units"), more units than slots may run uncut instead, when that costs
+    less in the model (``model_cost``, over ``num_pools`` pools) than the balanced packing's
+    tables."""
     units = num_groups * len(pieces)
     line = num_groups * sum(OVERHEAD_PIECES + n for n in pieces)
     longest = max(pieces)
@@ -262,12 +286,83 @@ def choose_packing(pieces: Sequence[int], num_groups: int, num_slots: int) -> Pa
         if uniform < cost:
             budget = -(-longest // splits) * PIECE_KEYS + OVERHEAD_KEYS
             packing = Packing(0, splits, budget, uniform)
+    elif whole_units:
+        line = _model_cost(_line_segments(pieces, num_groups, width), num_slots, num_pools)
+        rows = _whole_unit_segments(pieces, num_groups, num_slots)
+        whole = _model_cost(rows, num_slots, num_pools)
+        if whole < line:
+            budget = max(end for _, end in _whole_unit_places(pieces, num_groups, num_slots))
+            packing = Packing(0, 0, budget, whole, whole=True)
     return packing
 
 
-def search_budget(pieces: Sequence[int], num_groups: int, num_slots: int) -> int:
+def _starts(rows: Sequence[tuple[int, int, int, int, int, int]]) -> list[tuple[int, int]]:
+    """Each segment's planned ``(start, slot)``: its slot's segments back to back, in order."""
+    load: dict[int, int] = {}
+    starts = []
+    for _unit, _k, a, b, slot, _count in rows:
+        starts.append((load.get(slot, 0), slot))
+        load[slot] = load.get(slot, 0) + OVERHEAD_KEYS + (b - a) * PIECE_KEYS
+    return starts
+
+
+def _model_cost(
+    rows: Sequence[tuple[int, int, int, int, int, int]], num_slots: int, num_pools: int
+) -> int:
+    """``model_cost`` of the tables ``host_schedule`` builds from ``rows`` (segments by slot,
+    as ``_line_segments`` gives them), without building them."""
+    order = launch_order(_starts(rows), num_slots, num_pools, rows[-1][4] + 1)
+    entries = [
+        ScheduleEntry(p, 0, 0, rows[i][2] * PIECE_KEYS, rows[i][3] * PIECE_KEYS, -1, rows[i][4])
+        for p, i in enumerate(order)
+        if i >= 0
+    ]
+    loads = list_scheduled_loads(entries, num_slots, num_pools, OVERHEAD_KEYS)
+    return max(loads) + merge_cost(max(row[5] for row in rows))
+
+
+def _whole_unit_places(
+    pieces: Sequence[int], num_groups: int, num_slots: int
+) -> list[tuple[int, int]]:
+    """Each unit's ``(slot, end)`` when units run whole in unit order, each on the slot that
+    frees first (ties: the lowest): list scheduling, as the hardware runs one program per
+    unit in that order (the old split's single-split launch)."""
+    import heapq
+
+    free = [(0, s) for s in range(num_slots)]
+    places = []
+    for u in range(num_groups * len(pieces)):
+        start, slot = heapq.heappop(free)
+        end = start + OVERHEAD_KEYS + pieces[u // num_groups] * PIECE_KEYS
+        places.append((slot, end))
+        heapq.heappush(free, (end, slot))
+    return places
+
+
+def _whole_unit_segments(
+    pieces: Sequence[int], num_groups: int, num_slots: int
+) -> list[tuple[int, int, int, int, int, int]]:
+    """Whole units as ``_line_segments`` gives segments, by slot and then start."""
+    rows = []
+    for u, (slot, end) in enumerate(_whole_unit_places(pieces, num_groups, num_slots)):
+        n = pieces[u // num_groups]
+        rows.append((slot, end, (u, 0, 0, n, slot, 1)))
+    return [row for *_, row in sorted(rows)]
+
+
+def search_budget(
+    pieces: Sequence[int],
+    num_groups: int,
+    num_slots: int,
+    *,
+    whole_units: bool = True,
+    num_pools: int = 1,
+) -> int:
     """The packing budget (keys of cost per slot) ``host_schedule`` plans these units under."""
-    return choose_packing(pieces, num_groups, num_slots).budget
+    packing = choose_packing(
+        pieces, num_groups, num_slots, whole_units=whole_units, num_pools=num_pools
+    )
+    return packing.budget
 
 
 def _line_segments(
@@ -323,14 +418,21 @@ def host_schedule(
     capacity_keys: int,
     num_pools: int = 1,
     device: torch.device | str = "cpu",
+    whole_units: bool = True,
 ) -> ScheduleTables:
-    """The schedule of ``lengths`` (host ints), as the device planner would build it."""
+    """The schedule of ``lengths`` (host ints), as the device planner would build it; with
+    ``whole_units`` (the default) it may also run more units than slots uncut, which the
+    device planner never does (module docstring, "Whole units")."""
     _check_pools(num_pools)
     pieces = [_pieces(int(length), capacity_keys) for length in lengths]
     units = len(pieces) * num_groups
-    packing = choose_packing(pieces, num_groups, num_slots)
+    packing = choose_packing(
+        pieces, num_groups, num_slots, whole_units=whole_units, num_pools=num_pools
+    )
     if packing.splits:
         rows = _split_segments(pieces, num_groups, packing.splits)
+    elif packing.whole:
+        rows = _whole_unit_segments(pieces, num_groups, num_slots)
     else:
         rows = _line_segments(pieces, num_groups, packing.width)
     used = rows[-1][4] + 1
