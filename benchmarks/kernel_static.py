@@ -51,8 +51,12 @@ gates, as measured now:
 - ``whole_waves``: the grid is exactly one wave (``S`` programs, ``S / units`` the compiled
   residency: waves 1.0), and at B >= 8 the schedule keeps that wave busy: the mean slot's
   cost (its segments' keys plus an overhead each, the schedule's cost model) is at least
-  ``MIN_WAVE_FILL`` of the busiest slot's, idle slots counting 0. (Under the uniform split it
-  was the grid's fill of whole waves.)
+  ``MIN_WAVE_FILL`` of the busiest slot's, idle slots counting 0, or its makespan is within
+  one piece (``PIECE_KEYS``) of the least the cost model allows those units
+  (``benchmarks.schedule``'s bound (c), whose gate allows that piece too): a fill below the
+  gate's there is the pieces' granularity (a DCP-8 share of 8 x 32K at H96 on sm90: 120 of
+  132 slots, fill 0.898, 1024 keys against the least 960). (Under the uniform split it was
+  the grid's fill of whole waves.)
 - ``planner_uses_compiled_residency``: ``plan_launch``'s slots per CU equal the compiled
   stage 1's residency, and the grid is those slots.
 - ``kv_tile_loads_h128``: KV tile loads per request, read off the schedule: the keys its
@@ -1271,6 +1275,8 @@ def _gate(applies: bool, passed: bool, evidence: dict) -> dict:
 
 def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -> dict:
     """Issue 20's gates for one case on one target: verdict and evidence each."""
+    from rocm_mla.kernels import schedule as sch
+
     used = sorted(
         {b["stage1"] for b in per_batch} | {k for b in per_batch for k in b["other_kernels"]}
     )
@@ -1357,7 +1363,7 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
             and b["schedule"]["list_scheduled_within_plan"]
             and (
                 b["slot_fill"] >= MIN_WAVE_FILL
-                or b["schedule"]["makespan"] == b["schedule"]["least_makespan"]
+                or b["schedule"]["makespan"] <= b["schedule"]["least_makespan"] + sch.PIECE_KEYS
             )
             for b in gated
         ),
@@ -1365,7 +1371,8 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
             "rule": "the first wave of the launch order holds every used slot's first segment, "
             "list scheduling in launch order ends within the plan's makespan, and the mean "
             "slot's cost is >= min_fill of the busiest slot's (idle slots count 0) or the "
-            "makespan is the least the cost model allows (benchmarks.schedule's bound (c))",
+            "makespan is within one piece of the least the cost model allows "
+            "(benchmarks.schedule's bound (c) and its lb_c tolerance)",
             "min_fill": MIN_WAVE_FILL,
             "by_batch": {
                 b["batch"]: {

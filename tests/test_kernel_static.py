@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from benchmarks import kernel_static as ks
+from rocm_mla.kernels import schedule as sch
 from rocm_mla.kernels.residency import RESIDENCY_TARGETS, resident_programs
 from tests.compile_helpers import run_compiler
 
@@ -443,7 +444,7 @@ class TestScheduleGates:
         "programs": 368,
         "first_wave_holds_the_slots_first_segments": True,
         "list_scheduled_within_plan": True,
-        "makespan": 600,
+        "makespan": 700,
         "least_makespan": 560,
     }
 
@@ -497,9 +498,14 @@ class TestScheduleGates:
         good = self._gates()
         assert all(g["pass"] in (True, None) for g in good.values()), good
         assert self._gates(slot_fill=0.8)["whole_waves"]["pass"] is False
-        # A low fill at the least makespan the model allows is the pieces' granularity.
+        # A low fill at the least makespan the model allows, or one piece above it, is the
+        # pieces' granularity; two pieces above it is not.
         at_least = dict(self.SCHEDULE, makespan=560)
         assert self._gates(slot_fill=0.8, schedule=at_least)["whole_waves"]["pass"] is True
+        piece = dict(self.SCHEDULE, makespan=560 + sch.PIECE_KEYS)
+        assert self._gates(slot_fill=0.8, schedule=piece)["whole_waves"]["pass"] is True
+        two = dict(self.SCHEDULE, makespan=560 + 2 * sch.PIECE_KEYS)
+        assert self._gates(slot_fill=0.8, schedule=two)["whole_waves"]["pass"] is False
         for broken in ("first_wave_holds_the_slots_first_segments", "list_scheduled_within_plan"):
             bad = dict(at_least, **{broken: False})
             assert self._gates(schedule=bad)["whole_waves"]["pass"] is False
