@@ -117,10 +117,11 @@ OVERHEAD_PIECES = max(1, -(-OVERHEAD_KEYS // PIECE_KEYS))
 #: the range ~31-fold, and the last one steps by 1).
 SEARCH_LANES = 64
 SEARCH_PASSES = 8
-#: Units, slots or segments per vector step of the device planner (a batch of 256 requests
+#: Units, slots or segments per vector step of the device planner (a batch of 128 requests
 #: of two row groups takes one step), and its warps: at 4, ptxas spills the sm90 build (16
-#: bytes at 80 registers); at 8 no build of Triton 3.6-3.9 for sm90, gfx942 or gfx950 does.
-PLAN_BLOCK = 512
+#: bytes at 80 registers); at 8 with 512-wide steps Triton 3.8's sm90 build of a batch not
+#: a multiple of 16 spills 4 bytes (80 registers); 256-wide steps spill in no build.
+PLAN_BLOCK = 256
 PLAN_WARPS = 8
 #: Segments per program of the launch-order kernel (and per step of its rank count).
 ORDER_BLOCK = 64

@@ -380,6 +380,28 @@ RELEASE_TABLES: dict[str, tuple[tuple[tuple[int, int], dict[Key, TableEntry]], .
                     "tiles (254 registers, no spills; 64 keys spill 36-80 B), smaller groups "
                     "as on 3.9",
                 ),
+                # Verify windows (S_q > 1): the window's tail tiles keep more live again, and
+                # 64-row groups spill 4-8 B at 255 registers in 32-key tiles (H24 S_q 2, H12
+                # S_q 4, H96 and H128 windows), 12-24 B in 16-key tiles and 8-20 B in 64-key
+                # ones; 32-row groups in 64-key tiles (206 registers) do not. Each KV tile is
+                # then read by twice the groups, from L2 by neighbouring programs, as 96 rows
+                # already run on every release.
+                **{
+                    (heads, q_len, "16bit"): TableEntry(
+                        replace(
+                            TABLES["sm90"][("*", "*", "16bit")].config,
+                            block_h=32,
+                            block_n=64,
+                            num_stages=3,
+                            prefetch_ids=True,
+                        ),
+                        "unmeasured: compiled with Triton 3.8.0 for sm90: verify windows in "
+                        "32-row groups of 64-key tiles (206 registers, no spills; 64-row "
+                        "groups spill 4-24 B in 16-, 32- or 64-key tiles)",
+                    )
+                    for heads in ("16", "64", "128")
+                    for q_len in ("2", "4")
+                },
             },
         ),
     ),
