@@ -10,6 +10,7 @@ partials and stage 2's merge), ``cut=False`` over one slot.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import replace
@@ -715,3 +716,17 @@ def test_stage1_refuses_partials_without_a_slot_for_every_row_of_a_group():
     heads_first = torch.empty(2, 20, 3, device=DEVICE).transpose(1, 2)
     with pytest.raises(RuntimeError, match="lse must hold S_q and H adjacent"):
         arguments(part_out, part_lse, lse=heads_first)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fnuz])
+def test_gfx942_row_owned_windows_run_one_stage_below_triton_3_8(kv_dtype):
+    """Triton 3.6's gfx942 builds of the row-owned verify windows spill 34-127 VGPRs with
+    two stages (bench static); below 3.8 those windows take one stage, nothing else moves."""
+    for heads, q_len in ((24, 2), (12, 4), (128, 2), (96, 8)):
+        old = tables.lookup("gfx942", heads, q_len, kv_dtype, (3, 6)).config
+        new = tables.lookup("gfx942", heads, q_len, kv_dtype, (3, 8)).config
+        assert (old.num_stages, new.num_stages) == (1, 2) and old.rows_per_warp == 16
+        assert dataclasses.replace(old, num_stages=2) == new
+    for heads, q_len in ((128, 1), (16, 2), (12, 1)):
+        old = tables.lookup("gfx942", heads, q_len, kv_dtype, (3, 6))
+        assert old == tables.lookup("gfx942", heads, q_len, kv_dtype, (3, 9))

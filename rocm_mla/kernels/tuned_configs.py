@@ -405,6 +405,29 @@ RELEASE_TABLES: dict[str, tuple[tuple[tuple[int, int], dict[Key, TableEntry]], .
             },
         ),
     ),
+    # MI300X under Triton 3.5-3.7 (torch 2.11's ROCm wheels carry 3.6): the row-owned verify
+    # windows (S_q > 1 where 16 rows a wave apply) spill 34-127 VGPRs with their KV loads
+    # pipelined (two stages, bf16 and fp8 alike; 3.8 and 3.9 none). One stage spills none
+    # (204-219 AGPRs); its loads are not overlapped with the walk.
+    "gfx942": (
+        (
+            (3, 8),
+            {
+                (heads, q_len, kind): TableEntry(
+                    replace(TABLES["gfx942"][(heads, q_bucket, kind)].config, num_stages=1),
+                    "unmeasured: compiled with Triton 3.6.0 for gfx942: row-owned verify "
+                    "windows in one stage (no spills; two stages spill 34-127 VGPRs there)",
+                )
+                for heads, q_bucket, q_lens in (
+                    ("16", "4", ("4",)),
+                    ("64", "*", ("2", "4")),
+                    ("128", "*", ("2", "4")),
+                )
+                for q_len in q_lens
+                for kind in ("16bit", "fp8")
+            },
+        ),
+    ),
 }
 
 
