@@ -91,7 +91,7 @@ every planner run (once per decode step, before the first MLA layer).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -220,6 +220,11 @@ class Packing:
     cost: int  #: the model's bound on the step: the budget plus the longest merge
     #: Whole units, list-scheduled in unit order (``host_schedule`` only: width and splits 0)
     whole: bool = False
+    #: The segments ``choose_packing`` built to cost the step, where it built them (whole
+    #: units weighed against the line): ``host_schedule`` builds its tables from them
+    rows: tuple[tuple[int, int, int, int, int, int], ...] = field(
+        default=(), compare=False, repr=False
+    )
 
 
 def _chain_bound(longest: int, width: int) -> int:
@@ -288,12 +293,12 @@ def choose_packing(
             budget = -(-longest // splits) * PIECE_KEYS + OVERHEAD_KEYS
             packing = Packing(0, splits, budget, uniform)
     elif whole_units:
-        line = _model_cost(_line_segments(pieces, num_groups, width), num_slots, num_pools)
-        rows = _whole_unit_segments(pieces, num_groups, num_slots)
+        line_rows = tuple(_line_segments(pieces, num_groups, width))
+        packing = Packing(width, 0, packing.budget, packing.cost, rows=line_rows)
+        rows, makespan = _whole_unit_segments(pieces, num_groups, num_slots)
         whole = _model_cost(rows, num_slots, num_pools)
-        if whole < line:
-            budget = max(end for _, end in _whole_unit_places(pieces, num_groups, num_slots))
-            packing = Packing(0, 0, budget, whole, whole=True)
+        if whole < _model_cost(line_rows, num_slots, num_pools):
+            packing = Packing(0, 0, makespan, whole, whole=True, rows=tuple(rows))
     return packing
 
 
@@ -342,13 +347,14 @@ def _whole_unit_places(
 
 def _whole_unit_segments(
     pieces: Sequence[int], num_groups: int, num_slots: int
-) -> list[tuple[int, int, int, int, int, int]]:
-    """Whole units as ``_line_segments`` gives segments, by slot and then start."""
+) -> tuple[list[tuple[int, int, int, int, int, int]], int]:
+    """Whole units as ``_line_segments`` gives segments, by slot and then start, and the
+    makespan of their list scheduling."""
     rows = []
     for u, (slot, end) in enumerate(_whole_unit_places(pieces, num_groups, num_slots)):
         n = pieces[u // num_groups]
         rows.append((slot, end, (u, 0, 0, n, slot, 1)))
-    return [row for *_, row in sorted(rows)]
+    return [row for *_, row in sorted(rows)], max(end for _, end, _ in rows)
 
 
 def search_budget(
@@ -430,10 +436,10 @@ def host_schedule(
     packing = choose_packing(
         pieces, num_groups, num_slots, whole_units=whole_units, num_pools=num_pools
     )
-    if packing.splits:
+    if packing.rows:
+        rows = list(packing.rows)
+    elif packing.splits:
         rows = _split_segments(pieces, num_groups, packing.splits)
-    elif packing.whole:
-        rows = _whole_unit_segments(pieces, num_groups, num_slots)
     else:
         rows = _line_segments(pieces, num_groups, packing.width)
     used = rows[-1][4] + 1
