@@ -55,8 +55,8 @@ def sweep(target, kv_kind: str, quick: bool) -> list:
         extra = {
             "waves_per_eu": 1,
             "matrix_instr_nonkdim": 16,
-            "num_xcds": 8 if target.arch in ("gfx942", "gfx950") else 1,
-            "kpack": 2 if target.arch == "gfx942" else None,
+            "num_xcds": target.spec.xcds,
+            "kpack": target.spec.kpack,
         }
     else:
         space = {"block_n": (32, 64), "num_stages": (2, 3)}
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument(
         "--focused",
         action="store_true",
-        help="issue 37's candidates for the weak sm90 shapes (focused()) instead of the sweep",
+        help="issue 37's candidates for the weak NVIDIA shapes (focused()) instead of the sweep",
     )
     parser.add_argument(
         "--shape",

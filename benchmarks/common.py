@@ -21,15 +21,6 @@ import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-#: Peak HBM bandwidth in bytes/s, by a substring of the device name.
-PEAK_BANDWIDTH = {
-    "MI300X": 5.3e12,
-    "MI325X": 6.0e12,
-    "MI355X": 8.0e12,
-    "H100": 3.35e12,
-    "H200": 4.8e12,
-}
-
 
 def device_name() -> str:
     if torch.cuda.is_available():
@@ -42,12 +33,12 @@ def device_slug() -> str:
 
 
 def peak_bandwidth(name: str | None = None) -> float | None:
-    """The datasheet peak for a known GPU, else None (then measure copy bandwidth)."""
-    name = device_name() if name is None else name
-    for key, peak in PEAK_BANDWIDTH.items():
-        if key.lower() in name.lower():
-            return peak
-    return None
+    """The datasheet peak HBM bandwidth in bytes/s of a known GPU (the registry's products),
+    else None (then measure copy bandwidth)."""
+    from rocm_mla.targets import find_product
+
+    product = find_product(device_name() if name is None else name)
+    return None if product is None else product.hbm_bytes_per_s
 
 
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 7, device: str = "cpu") -> float:
@@ -253,7 +244,8 @@ def plan_text(plan: dict) -> str:
 class Stage1Kernels:
     """The stage-1 kernels Triton compiled during a call: their registers, spills and shared
     memory as launched (``CompiledKernel.n_regs`` / ``n_spills`` / ``metadata.shared``), and
-    the residency those resources give (``residency.resident_programs``, sm90 / gfx9).
+    the residency those resources give (``residency.resident_programs``, NVIDIA targets with
+    residency rules).
 
     ``before()`` notes the compiled variants, ``after()`` returns the new ones' resources (a
     call that compiled nothing new reuses the variant an earlier call of the same shape
@@ -294,7 +286,6 @@ class Stage1Kernels:
 
     @staticmethod
     def _record(kernel) -> dict:
-        from rocm_mla.kernels.mla_decode_args import target_key
         from rocm_mla.kernels.residency import resident_programs
         from rocm_mla.kernels.target import triton_target
 
@@ -313,9 +304,13 @@ class Stage1Kernels:
         }
         # AMD's residency needs the VGPR, AGPR and SGPR counts apart (occupancy.py reads them
         # from the amdgcn); the loaded kernel's n_regs is not that.
-        if target_key(triton_target()) == "sm90":
+        spec = triton_target().spec
+        if spec.backend == "cuda" and spec.residency is not None:
             record["programs_per_cu"] = resident_programs(
-                "sm90", num_warps=meta.num_warps, regs_per_thread=regs, smem_bytes=int(meta.shared)
+                spec.key,
+                num_warps=meta.num_warps,
+                regs_per_thread=regs,
+                smem_bytes=int(meta.shared),
             )
         return record
 

@@ -94,15 +94,6 @@ from benchmarks import common
 HEAD_DIM, HEAD_DIM_V = 576, 512
 PEERS = ("vllm-triton", "flashmla")
 
-#: Dense peak FLOP/s (bf16, fp8) by a substring of the device name (datasheets).
-PEAK_COMPUTE = {
-    "MI300X": (1307e12, 2615e12),
-    "MI325X": (1307e12, 2615e12),
-    "MI355X": (2517e12, 5033e12),
-    "H100": (989e12, 1979e12),
-    "H200": (989e12, 1979e12),
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -201,10 +192,15 @@ def lengths_for(kind: str, batch: int, context: int, gen: torch.Generator) -> to
 
 
 def fp8_dtype() -> torch.dtype:
-    """The platform's fp8 flavour: e4m3fnuz on MI300X (gfx942), e4m3fn elsewhere."""
+    """The platform's fp8 flavour (its registry record's: e4m3fnuz on MI300X, e4m3fn
+    elsewhere; the CPU takes e4m3fn)."""
     from rocm_mla.platform import current_platform
+    from rocm_mla.targets import target_spec
 
-    return torch.float8_e4m3fnuz if current_platform().arch == "gfx942" else torch.float8_e4m3fn
+    here = current_platform()
+    if here.kind == "cpu":
+        return torch.float8_e4m3fn
+    return target_spec(here.kind, here.arch).fp8_dtype or torch.float8_e4m3fn
 
 
 def build_cache(lens: torch.Tensor, kind: str, block_size: int, device: str, seed: int):
@@ -274,11 +270,14 @@ def roofline(lens: torch.Tensor, heads: int, q_len: int, kv: torch.Tensor, q_dty
 
 
 def peak_compute(name: str) -> tuple[float, float] | None:
-    """Dense (bf16, fp8) FLOP/s of a known GPU, else None."""
-    for key, peaks in PEAK_COMPUTE.items():
-        if key.lower() in name.lower():
-            return peaks
-    return None
+    """Dense (bf16, fp8) FLOP/s of a known GPU (the registry's products' datasheets), else
+    None."""
+    from rocm_mla.targets import find_product
+
+    product = find_product(name)
+    if product is None or product.matrix_flops is None:
+        return None
+    return product.matrix_flops["16bit"], product.matrix_flops["fp8"]
 
 
 # ---- ours ------------------------------------------------------------------------------------

@@ -135,11 +135,12 @@ PLANNER_MODULE = "rocm_mla.kernels.schedule"
 
 @dataclass(frozen=True)
 class GpuTarget:
-    """A compile target and the datasheet figures its ceilings are computed from."""
+    """A compile target and the datasheet figures its ceilings are computed from (its default
+    product's in the registry, ``rocm_mla.targets``)."""
 
-    key: str  #: tuned-table / residency key
+    key: str  #: registry key (tuned-table / residency key)
     backend: str  #: "cuda" or "hip"
-    arch: str  #: TritonTarget arch: "sm90", "gfx942", "gfx950"
+    arch: str  #: TritonTarget arch
     units: int  #: SMs / CUs
     device: str
     hbm_bytes_per_s: float
@@ -147,12 +148,31 @@ class GpuTarget:
     matrix_flops: dict = field(hash=False, compare=False)
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
 
+    @classmethod
+    def of(cls, key: str) -> GpuTarget:
+        """The registry's record of ``key`` as a compile target, with its default product."""
+        from rocm_mla.targets import TARGETS as REGISTRY
+
+        spec = REGISTRY[key]
+        product = spec.product
+        return cls(
+            key,
+            spec.backend,
+            spec.archs[0],
+            product.units,
+            product.name,
+            product.hbm_bytes_per_s,
+            product.matrix_flops,
+            spec.fp8_dtype,
+        )
+
     def gpu_target(self):
         from triton.backends.compiler import GPUTarget
 
+        wave_size = self.triton_target().spec.wave_size
         if self.backend == "cuda":
-            return GPUTarget("cuda", int(self.arch[2:]), 32)
-        return GPUTarget("hip", self.arch, 64)
+            return GPUTarget("cuda", int(self.arch.removeprefix("sm")), wave_size)
+        return GPUTarget("hip", self.arch, wave_size)
 
     def triton_target(self):
         from rocm_mla.kernels.target import TritonTarget
@@ -160,27 +180,11 @@ class GpuTarget:
         return TritonTarget(self.backend, self.arch, self.units)
 
 
-#: Datasheet figures (dense, no sparsity): H200 SXM 989 TFLOP/s bf16, 1979 fp8, 4.8 TB/s;
-#: MI300X 1307 / 2615, 5.3 TB/s, fp8 in the e4m3fnuz flavour; MI355X 2517 / 5033, 8 TB/s,
-#: OCP fp8. Peaks, so the ceilings are upper bounds (mma.sync on Hopper reaches less).
-TARGETS = {
-    "sm90": GpuTarget(
-        "sm90", "cuda", "sm90", 132, "H200", 4.8e12, {"16bit": 989e12, "fp8": 1979e12}
-    ),
-    "gfx942": GpuTarget(
-        "gfx942",
-        "hip",
-        "gfx942",
-        304,
-        "MI300X",
-        5.3e12,
-        {"16bit": 1307e12, "fp8": 2615e12},
-        torch.float8_e4m3fnuz,
-    ),
-    "gfx950": GpuTarget(
-        "gfx950", "hip", "gfx950", 256, "MI355X", 8.0e12, {"16bit": 2517e12, "fp8": 5033e12}
-    ),
-}
+#: The case list of targets: the registry keys bench static compiles for by default (``--targets``
+#: picks a subset). tests/test_targets.py allows arch names in code only in the registry and
+#: in case lists like this one.
+CASE_TARGETS = ("sm90", "gfx942", "gfx950")
+TARGETS = {key: GpuTarget.of(key) for key in CASE_TARGETS}
 
 
 @dataclass(frozen=True)
@@ -628,6 +632,7 @@ def compile_and_read(request: dict) -> dict:
                 ptxas_log,
                 fp_fusion,
                 request.get("excerpt", False),
+                capability=int(target.arch.removeprefix("sm")),
             )
         )
     else:
@@ -637,12 +642,19 @@ def compile_and_read(request: dict) -> dict:
 
 
 def read_cuda(
-    ptx: str, cubin: bytes, ptxas_log: str, fp_fusion: bool, excerpt: bool = False
+    ptx: str,
+    cubin: bytes,
+    ptxas_log: str,
+    fp_fusion: bool,
+    excerpt: bool = False,
+    *,
+    capability: int,
 ) -> dict:
     """Registers (the cubin's), spill bytes (ptxas's log of that build) and the SASS loop.
 
     ``ptxas_log`` is what Triton's own ptxas run printed; on a Triton cache hit there was no
-    run, so ptxas runs again with the flags Triton passes (same registers, checked)."""
+    run, so ptxas runs again with the flags Triton passes for compute ``capability`` (90:
+    ``sm_90a``; same registers, checked)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -651,10 +663,13 @@ def read_cuda(
         cubin_path.write_bytes(cubin)
         if "bytes spill stores" not in ptxas_log:
             # Triton 3.6 on picks ptxas by arch; 3.4 and 3.5 have one.
-            ptxas = get_ptxas(90) if inspect.signature(get_ptxas).parameters else get_ptxas()
+            ptxas = (
+                get_ptxas(capability) if inspect.signature(get_ptxas).parameters else get_ptxas()
+            )
             command = [ptxas.path, "-lineinfo", "-v", "--regAllocOptLevel=2"]
             command += [] if fp_fusion else ["--fmad=false"]
-            command += ["--gpu-name=sm_90a", str(ptx_path), "-o", str(Path(tmp) / "v.cubin")]
+            gpu = f"--gpu-name=sm_{capability}a"
+            command += [gpu, str(ptx_path), "-o", str(Path(tmp) / "v.cubin")]
             ptxas_log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
 
         def cuobjdump(flag: str) -> str:
@@ -1439,7 +1454,7 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
         ),
         {
             "rule": f"no shared-memory load or store under {narrowest} bits a thread in the KV "
-            "loop (sm90: none of 8 or 16 bits; AMD: none of 8, those of 16 reported)",
+            "loop (NVIDIA: none of 8 or 16 bits; AMD: none of 8, those of 16 reported)",
             "min_bits": narrowest,
             "by_batch": {b["batch"]: b["shared"] for b in per_batch},
         },
@@ -1449,7 +1464,7 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
         not any(f["guard_round_trips"] for f in kv.values()),
         {
             "note": "the non-finite guard must not take a KV tile from shared memory / LDS "
-            "into registers and write it back for a dot; every round trip is listed (sm90's "
+            "into registers and write it back for a dot; every round trip is listed (NVIDIA's "
             "fp8 V makes one to be transposed for the K-major fp8 operand)",
             "by_batch": {
                 batch: {
@@ -1520,7 +1535,7 @@ def pooled(fn, requests: list[dict], pool=None) -> Iterator[dict]:
     """``fn(request)`` for every compile request, in ``pool``'s processes (None: here), as
     they finish. sm90 stage-1 builds take longest (ptxas): they start first, so no worker
     idles at the end."""
-    ordered = sorted(requests, key=lambda r: (r["target"] != "sm90", r["kernel"]))
+    ordered = sorted(requests, key=lambda r: (TARGETS[r["target"]].backend != "cuda", r["kernel"]))
     if pool is None:
         yield from (fn(request) for request in ordered)
         return

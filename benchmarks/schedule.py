@@ -108,6 +108,15 @@ class Target:
     arch: str
     num_cus: int
 
+    @classmethod
+    def of(cls, key: str) -> Target:
+        """The registry's record of ``key`` (``rocm_mla.targets``), with its default product's
+        CU / SM count."""
+        from rocm_mla.targets import TARGETS as REGISTRY
+
+        spec = REGISTRY[key]
+        return cls(key, spec.backend, spec.archs[0], spec.units)
+
     def triton_target(self):
         from rocm_mla.kernels.target import TritonTarget
 
@@ -116,17 +125,12 @@ class Target:
     def kv_dtype(self, kind: str) -> torch.dtype:
         if kind == "bf16":
             return torch.bfloat16
-        return torch.float8_e4m3fnuz if self.key == "gfx942" else torch.float8_e4m3fn
+        return self.triton_target().spec.fp8_dtype
 
 
-TARGETS = {
-    t.key: t
-    for t in (
-        Target("sm90", "cuda", "sm90", 132),
-        Target("gfx942", "hip", "gfx942", 304),
-        Target("gfx950", "hip", "gfx950", 256),
-    )
-}
+#: The case list of targets: the registry keys this benchmark measures by default.
+CASE_TARGETS = ("sm90", "gfx942", "gfx950")
+TARGETS = {key: Target.of(key) for key in CASE_TARGETS}
 
 
 def _lognormal(batch: int, median: int, seed: int) -> list[int]:
@@ -515,10 +519,10 @@ def measure_shape(target_key: str, heads: int, q_len: int, kind: str, mix_length
 
 
 def shapes(targets) -> list[tuple[str, int, int, str]]:
-    # sm90 first: its compiles (ptxas) take longest, so no worker idles at the end.
+    # NVIDIA first: its compiles (ptxas) take longest, so no worker idles at the end.
     return [
         (t.key, h, s, kind)
-        for t in sorted(targets, key=lambda t: t.key != "sm90")
+        for t in sorted(targets, key=lambda t: t.backend != "cuda")
         for h in HEADS
         for s in Q_LENS
         for kind in KV_KINDS

@@ -32,6 +32,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "rocm_mla.merge",
             "rocm_mla.platform",
             "rocm_mla.distributed",
+            "rocm_mla.targets",
         ),
     ),
     ("kernels", ("rocm_mla.kernels",)),

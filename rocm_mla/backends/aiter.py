@@ -57,10 +57,14 @@ from rocm_mla.inputs import (
     DecodeSpec,
     visible_lengths,
 )
+from rocm_mla.targets import TARGETS, target_spec
 
-SUPPORTED_ARCHS = ("gfx942", "gfx950")
-#: AITER's fp8 type per arch (``aiter.utility.dtypes.defaultDtypes``).
-FP8_BY_ARCH = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
+#: The archs AITER ships MLA decode kernels for (the registry's ``TargetSpec.aiter_mla``).
+SUPPORTED_ARCHS = tuple(arch for spec in TARGETS.values() if spec.aiter_mla for arch in spec.archs)
+#: AITER's fp8 type per arch (``aiter.utility.dtypes.defaultDtypes``): the arch's own flavour.
+FP8_BY_ARCH = {
+    arch: spec.fp8_dtype for spec in TARGETS.values() if spec.aiter_mla for arch in spec.archs
+}
 #: Head counts with a non-persistent decode kernel for both bf16 and fp8 (asm_mla.cu).
 #: 32 and 64 have bf16-only kernels; padding them to 128 keeps one code path per dtype.
 KERNEL_HEADS = (16, 128)
@@ -458,14 +462,16 @@ def _shape_reasons(spec: DecodeSpec, arch: str | None) -> list[str]:
         reasons.append(
             f"q_len {p.q_len} is not a power of 2 (AITER returns wrong output, aiter#2720)"
         )
-    if (
-        arch == "gfx942"
-        and not is_fp8
-        and p.num_heads <= KERNEL_HEADS[-1]
-        and kernel_heads(p.num_heads) == 16
-        and p.q_len == 8
-    ):
-        reasons.append("bf16 with 16 kernel heads and q_len 8 on gfx942 (wrong output, aiter#5679)")
+    if arch is not None and p.num_heads <= KERNEL_HEADS[-1]:
+        for gap in target_spec("hip", arch).aiter_gaps:
+            if (gap.kv == "fp8") == is_fp8 and (kernel_heads(p.num_heads), p.q_len) == (
+                gap.kernel_heads,
+                gap.q_len,
+            ):
+                reasons.append(
+                    f"{gap.kv} with {gap.kernel_heads} kernel heads and q_len {gap.q_len} on "
+                    f"{arch} ({gap.why})"
+                )
     if not p.causal and p.q_len > 1:
         # The backend runs AITER's default causal mask; older releases have no switch for it.
         reasons.append("non-causal q_len > 1 (AITER's decode masks verify windows causally)")

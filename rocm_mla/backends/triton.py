@@ -39,18 +39,9 @@ def _capabilities() -> Capabilities:
     target = _target()
     if target is None:
         return Capabilities(platforms=(), q_dtypes=Q_DTYPES, kv_dtypes=_BASE_KV_DTYPES)
-    if target.backend == "interpreter":
-        # The interpreter converts both fp8 flavours in software.
-        fp8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-        platforms = ("cpu",)
-    elif target.backend == "hip":
-        # MI300X (gfx942) computes the fnuz flavour of e4m3; gfx950 and later the OCP one.
-        fp8 = (torch.float8_e4m3fnuz,) if target.arch == "gfx942" else (torch.float8_e4m3fn,)
-        platforms = ("hip",)
-    else:
-        # Triton converts e4m3fn on NVIDIA from sm89 (Ada/Hopper) on.
-        fp8 = (torch.float8_e4m3fn,) if int(target.arch.removeprefix("sm")) >= 89 else ()
-        platforms = ("cuda",)
+    # The fp8 flavours its hardware computes (registry: ``TargetSpec.fp8_dtypes``).
+    fp8 = target.spec.fp8_dtypes
+    platforms = ("cpu",) if target.backend == "interpreter" else (target.backend,)
     return Capabilities(platforms=platforms, q_dtypes=Q_DTYPES, kv_dtypes=(*_BASE_KV_DTYPES, *fp8))
 
 

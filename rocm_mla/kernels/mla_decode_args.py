@@ -16,18 +16,18 @@ import triton.language as tl
 from rocm_mla.kernels.quantize_q import quantize_q
 from rocm_mla.kernels.target import TritonTarget
 from rocm_mla.kernels.tuned_configs import LaunchConfig, TableEntry, lookup
+from rocm_mla.targets import TargetSpec, target_spec
+
+
+def _spec(target: TritonTarget | None) -> TargetSpec:
+    """``target``'s registry record; no target is the interpreter."""
+    return target_spec(None, None) if target is None else target.spec
 
 
 def target_key(target: TritonTarget | None) -> str:
-    """The ``tuned_configs.TABLES`` key of a target: sm90, gfx942, gfx950, fallback, interpreter."""
-    if target is None or target.backend == "interpreter":
-        return "interpreter"
-    if target.backend == "cuda" and (target.arch or "").startswith("sm90"):
-        return "sm90"
-    if target.backend == "hip":
-        # Other AMD archs take the MI300X shapes (see default_config); MI355X has its own.
-        return "gfx950" if target.arch == "gfx950" else "gfx942"
-    return "fallback"
+    """The ``tuned_configs.TABLES`` key of a target: the table its registry record reads
+    (another AMD arch reads gfx942's, another NVIDIA GPU the ``fallback`` one)."""
+    return _spec(target).table
 
 
 def table_entry(
@@ -38,11 +38,14 @@ def table_entry(
     kv_dtype: torch.dtype = torch.bfloat16,
 ) -> TableEntry:
     """The tuned-table entry (config and where it comes from) for a shape on ``target``."""
-    entry = lookup(target_key(target), num_heads, q_len, kv_dtype)
-    if target is not None and target.backend == "hip" and target.arch not in ("gfx942", "gfx950"):
-        # No XCD remap or kpack outside the two archs they were written for.
-        config = replace(entry.config, num_xcds=1, kpack=None)
-        entry = TableEntry(config, f"{entry.source} (gfx942 entry, adapted for {target.arch})")
+    spec = _spec(target)
+    entry = lookup(spec.table, num_heads, q_len, kv_dtype)
+    if spec.table != spec.key:
+        # A borrowed table: no XCD remap or kpack outside the arch they were written for.
+        config = replace(entry.config, num_xcds=spec.xcds, kpack=spec.kpack)
+        entry = TableEntry(
+            config, f"{entry.source} ({spec.table} entry, adapted for {target.arch})"
+        )
     return entry
 
 
@@ -122,13 +125,6 @@ _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
 _P_SCALE = {torch.float8_e4m3fn: 256.0, torch.float8_e4m3fnuz: 128.0}
 
 
-def _has_fp8_dot(target: TritonTarget) -> bool:
-    if target.backend == "hip":
-        return target.arch in ("gfx942", "gfx950")
-    digits = "".join(ch for ch in (target.arch or "")[2:] if ch.isdigit())
-    return target.backend == "cuda" and int(digits or 0) >= 89  # sm89 (Ada) and later
-
-
 def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) -> dict:
     """The kernel's dtype constexprs: what each dot is fed, and whether Q / P go through fp8.
 
@@ -139,8 +135,9 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
     """
     fp8 = kv_dtype in _FP8_MAX
     interpreting = target.backend == "interpreter"
-    qk_fp8 = fp8 and config.fp8_qk and (interpreting or _has_fp8_dot(target))
-    pv_fp8 = fp8 and config.fp8_pv and (interpreting or _has_fp8_dot(target))
+    fp8_dots = target.spec.fp8_dots
+    qk_fp8 = fp8 and config.fp8_qk and fp8_dots
+    pv_fp8 = fp8 and config.fp8_pv and fp8_dots
     upcast = torch.float32 if interpreting or q_dtype == torch.float32 else q_dtype
     fp8_dtype = kv_dtype if fp8 else torch.float8_e4m3fn
     if interpreting or not fp8:

@@ -1,12 +1,12 @@
 """Stage-1 occupancy: how many programs one compute unit holds (``programs_per_cu``).
 
 The only module that touches Triton's compiler internals (``triton.compiler``,
-``triton.backends``, ``triton.runtime``): on sm90, gfx942 and gfx950 it compiles stage 1 for
-the target, as ``mla_decode`` would launch it, and reads the registers and shared memory
-through ``residency``; other targets get an estimate from the config's footprint, and so do
-those three where the installed Triton's internals are not the ones this compile calls (said
-once on stderr). A config that the compiler rejects raises ``Stage1CompileError``: the
-planner (``plan.plan_launch``) then takes another.
+``triton.backends``, ``triton.runtime``): on the targets with residency rules in the registry
+(``rocm_mla.targets``) it compiles stage 1 for the target, as ``mla_decode`` would launch it,
+and reads the registers and shared memory through ``residency``; other targets get an estimate
+from the config's footprint, and so do those where the installed Triton's internals are not
+the ones this compile calls (said once on stderr). A config that the compiler rejects raises
+``Stage1CompileError``: the planner (``plan.plan_launch``) then takes another.
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ from rocm_mla.kernels.mla_decode_args import (
     _group_config,
     _partials,
     _stage1_arguments,
-    target_key,
 )
 from rocm_mla.kernels.mla_decode_kernel import _mla_decode_stage1
-from rocm_mla.kernels.residency import RESIDENCY_TARGETS, resident_programs
+from rocm_mla.kernels.residency import resident_programs
 from rocm_mla.kernels.target import TritonTarget, say_once
 from rocm_mla.kernels.tuned_configs import LaunchConfig
 from rocm_mla.platform import triton_interpreting
@@ -70,7 +69,7 @@ def programs_per_cu(
 ) -> int:
     """Stage-1 programs one compute unit holds at once: the compiled kernel's occupancy.
 
-    On sm90, gfx942 and gfx950 (``residency.RESIDENCY_TARGETS``) the config's stage 1 is
+    On a target with residency rules (``residency.RESIDENCY_TARGETS``) the config's stage 1 is
     compiled once for ``target`` with the arguments ``mla_decode`` would pass for this shape
     (a GPU is not needed: Triton compiles for a target it does not run on) and its
     registers, shared memory / LDS and warps give the count (``residency``); cached per
@@ -86,8 +85,8 @@ def programs_per_cu(
     """
     if target is None or target.backend == "interpreter":
         return 1
-    key = target_key(target)
-    if key not in RESIDENCY_TARGETS:
+    spec = target.spec
+    if spec.residency is None:
         return _estimated_programs_per_cu(
             config, target, kv_dtype=kv_dtype, head_dim=head_dim, head_dim_v=head_dim_v
         )
@@ -119,7 +118,7 @@ def programs_per_cu(
             f"Triton {triton.__version__} cannot compile stage 1 for {target}: "
             f"{built['compile_error']}"
         )
-    return max(1, resident_programs(key, num_warps=config.num_warps, **built))
+    return max(1, resident_programs(spec.key, num_warps=config.num_warps, **built))
 
 
 @functools.lru_cache(maxsize=256)
@@ -241,10 +240,11 @@ def _compile_stage1_resources(
         from triton.compiler import ASTSource, make_backend
         from triton.runtime.jit import create_function_from_signature
 
+        wave_size = here.spec.wave_size
         if backend == "cuda":
-            gpu_target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)
+            gpu_target = GPUTarget("cuda", int(arch.removeprefix("sm")), wave_size)
         else:
-            gpu_target = GPUTarget("hip", arch, 64)
+            gpu_target = GPUTarget("hip", arch, wave_size)
         fn = _mla_decode_stage1
         compiler = make_backend(gpu_target)
         binder = create_function_from_signature(fn.signature, fn.params, compiler)
@@ -278,13 +278,16 @@ def _compile_stage1_resources(
             raise RuntimeError(f"programs_per_cu: {pattern!r} not in the amdgcn of stage 1")
         return int(found.group(1))
 
-    # The arch VGPRs and the AGPRs apart (".vgpr_count" is their unified total).
-    return {
+    # The arch VGPRs and the AGPRs apart (".vgpr_count" is their unified total), where the
+    # target has AGPRs.
+    resources = {
         "regs_per_thread": count(r"; NumVgprs: (\d+)"),
-        "agprs_per_thread": count(r"; NumAgprs: (\d+)"),
         "sgprs_per_wave": count(r"\.sgpr_count:\s+(\d+)"),
         "smem_bytes": int(kernel.metadata.shared),
     }
+    if here.spec.residency.agprs:
+        resources["agprs_per_thread"] = count(r"; NumAgprs: (\d+)")
+    return resources
 
 
 class _Output:
@@ -360,7 +363,7 @@ def _estimated_programs_per_cu(
     head_dim_v: int,
 ) -> int:
     """Programs per compute unit estimated from the config's footprint, for targets with no
-    residency model (neither sm90 nor gfx942/gfx950) and for a Triton whose internals the
+    residency rules in the registry and for a Triton whose internals the
     residency compile cannot call.
 
     Shared memory: ``num_stages`` KV tiles (at least one: the dots read it from there).

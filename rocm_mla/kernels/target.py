@@ -6,13 +6,15 @@ interpreter, or nowhere (and why); and which Triton releases the decode supports
 from __future__ import annotations
 
 import functools
-import re
 import sys
 from dataclasses import dataclass
 
 import torch
+from packaging.version import InvalidVersion
+from packaging.version import Version as _Release
 
 from rocm_mla.platform import triton_interpreting
+from rocm_mla.targets import DEFAULT_TRITON_FLOOR, TARGETS, TargetSpec, Version, target_spec
 
 
 @dataclass(frozen=True)
@@ -20,8 +22,13 @@ class TritonTarget:
     """Where Triton kernels compile to on this machine."""
 
     backend: str  #: "hip", "cuda" or "interpreter"
-    arch: str | None  #: "gfx942", "sm90", ...; None for the interpreter
+    arch: str | None  #: the registry's arch names (``rocm_mla.targets``); None for the interpreter
     num_cus: int  #: compute units (AMD) / SMs (NVIDIA); 1 for the interpreter
+
+    @property
+    def spec(self) -> TargetSpec:
+        """This target's record in the registry (``rocm_mla.targets.target_spec``)."""
+        return target_spec(self.backend, self.arch)
 
     def __str__(self) -> str:
         if self.backend == "interpreter":
@@ -47,7 +54,8 @@ def _probe() -> tuple[TritonTarget | None, str | None]:
             "before importing triton to run the interpreter on CPU (slow, for testing)"
         )
     if target.backend == "hip":
-        arch = str(target.arch).split(":")[0]  # "gfx942:sramecc+:xnack-" -> "gfx942"
+        # The arch without its feature flags (":sramecc+:xnack-").
+        arch = str(target.arch).split(":")[0]
     elif target.backend == "cuda":
         arch = f"sm{target.arch}"
     else:
@@ -66,31 +74,28 @@ def triton_target_unavailable_reason() -> str | None:
     return _probe()[1]
 
 
-Version = tuple[int, int, int]
-
-
 def _dotted(version: Version) -> str:
     return ".".join(map(str, version))
 
 
 @dataclass(frozen=True)
 class TritonRange:
-    """The Triton releases the decode is built and checked with, oldest to newest."""
+    """The Triton releases the decode is built and checked with, oldest to newest; a target's
+    own floor (``TargetSpec.triton_floor`` in the registry) may lie below or above ``oldest``."""
 
     oldest: Version
     newest: Version
-    #: Targets that run on an older release than ``oldest``, and that release.
-    older_by_arch: tuple[tuple[str, Version], ...] = ()
 
     def floor(self, target: TritonTarget) -> Version:
         """The oldest release supported on ``target``."""
-        return dict(self.older_by_arch).get(target.arch or "", self.oldest)
+        return target.spec.triton_floor
 
     def __str__(self) -> str:
         text = f"{_dotted(self.oldest)} to {_dotted(self.newest)}"
         by_version: dict[Version, list[str]] = {}
-        for arch, version in self.older_by_arch:
-            by_version.setdefault(version, []).append(arch)
+        for spec in TARGETS.values():
+            if spec.triton_floor != self.oldest:
+                by_version.setdefault(spec.triton_floor, []).extend(spec.archs)
         for version, archs in by_version.items():
             text += f", {_dotted(version)} on {' and '.join(archs)}"
         return text
@@ -99,25 +104,20 @@ class TritonRange:
 #: The Triton releases this package supports, the one place that says so (README, ``rocm-mla
 #: info`` and docs/architecture.md name it; ``benchmarks/kernel_static.py`` compiles every
 #: planned launch under them). Below a target's floor the Triton backend is unavailable.
-#: AMD's targets reach back to 3.4.0 because ROCm images carry their own Triton (SGLang's
-#: ROCm 7.0 image has 3.4) and the package never installs one over it; sm90 needs 3.5.1.
-SUPPORTED_TRITON = TritonRange(
-    oldest=(3, 5, 1),
-    newest=(3, 9, 0),
-    older_by_arch=(("gfx942", (3, 4, 0)), ("gfx950", (3, 4, 0))),
-)
+SUPPORTED_TRITON = TritonRange(oldest=DEFAULT_TRITON_FLOOR, newest=(3, 9, 0))
 
 
 def triton_version() -> Version | None:
-    """The installed Triton's release (``3.4.0+rocm7.0.0`` -> ``(3, 4, 0)``), or None when
-    its version string does not start with one."""
+    """The installed Triton's release (``3.4.0+rocm7.0.0`` -> ``(3, 4, 0)``, ``3.10`` ->
+    ``(3, 10, 0)``), or None when its version string is not a PEP 440 version."""
     import triton
 
-    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", triton.__version__)
-    if found is None:
+    try:
+        release = _Release(triton.__version__).release
+    except InvalidVersion:
         return None
-    major, minor, patch = found.groups()
-    return int(major), int(minor), int(patch or 0)
+    major, minor, patch = (*release, 0, 0)[:3]
+    return major, minor, patch
 
 
 def unsupported_triton_reason(target: TritonTarget) -> str | None:
