@@ -9,9 +9,10 @@ of shared memory, registers) are recorded and skipped; every config is first che
 against the torch backend on a small problem whose requests the schedule cuts (one piece per
 slot), so a fast wrong config, or a wrong merge, can never win.
 
-Writes a JSON table that ``tuned_configs.load_table_file`` reads (set
-``ROCM_MLA_TRITON_CONFIGS=<file>`` to use it, or paste its entries into ``TABLES``), with
-every timing kept for the record. Run on a GPU:
+Writes a JSON table in the format of the package's own (``rocm_mla/kernels/configs/``,
+read by ``tuned_configs.read_table_file``): set ``ROCM_MLA_TRITON_CONFIGS=<file>`` to use it,
+or merge its entries into the target's file there; every timing is kept for the record. Run on
+a GPU:
 
     python -m benchmarks.autotune_triton [--heads 16 128] [--q-lens 1 2] [--kv bf16 fp8]
         [--batch 64] [--context 8192] [--quick] [--out FILE]

@@ -1,24 +1,37 @@
-"""Stage-1 launch configs of the Triton MLA decode, per target, as data.
+"""Stage-1 launch configs of the Triton MLA decode, per target, as data files.
 
 A table maps (target, head-count bucket, S_q bucket, KV kind) to a ``LaunchConfig`` and says
 where the entry comes from: ``measured`` names the run that chose it, ``unmeasured`` marks a
-guess from hardware limits that only compiles cleanly (``tests/test_triton_decode.py``
-compiles every AMD entry for gfx942/gfx950 and checks VGPR spills and LDS).
+guess from hardware limits that only compiles cleanly (``rocm-mla bench static`` compiles
+every planned launch and gates it).
+
+The tables are JSON files shipped in the package, ``configs/<key>.json``, one per registry
+record that reads its own table (``rocm_mla.targets``: another AMD arch reads gfx942's);
+beside each, ``configs/<key>.before-triton-<X.Y>.json`` holds entries that replace the
+table's own under Triton releases before X.Y. All are read with ``read_table_file``, in the
+format ``benchmarks/autotune_triton.py`` writes; ``ROCM_MLA_TRITON_CONFIGS`` names a user's
+file merged over the built-in entries at import (``install_table_file`` does so for any
+file). A file that does not read as a table is a ``TableFileError`` naming the file, the
+entry and what was wrong.
 
 Lookup goes from the most specific key to the least: an exact (heads, S_q, kv) entry, then
 the same with S_q as ``"*"``, then with heads as ``"*"`` too, then ``("*", "*", "*")``.
-``benchmarks/autotune_triton.py`` writes JSON files in the format ``load_table_file`` reads;
-``ROCM_MLA_TRITON_CONFIGS`` names such a file to override the built-in entries at import.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+from packaging.version import InvalidVersion
+from packaging.version import Version as _Release
+
+from rocm_mla.kernels.target import triton_version
+from rocm_mla.targets import TARGETS as REGISTRY
+from rocm_mla.targets import tables
 
 #: Head-count buckets: a bucket is the largest H it holds.
 HEAD_BUCKETS = (16, 64, 128)
@@ -26,7 +39,8 @@ HEAD_BUCKETS = (16, 64, 128)
 Q_LEN_BUCKETS = (1, 2, 4)
 #: KV kinds that change the tile's bytes, hence what fits in shared memory.
 KV_KINDS = ("fp32", "16bit", "fp8")
-TARGET_KEYS = ("sm90", "gfx942", "gfx950", "fallback", "interpreter")
+#: The tables: one per registry record that reads its own (``rocm_mla.targets``).
+TARGET_KEYS = tables()
 
 
 @dataclass(frozen=True)
@@ -138,305 +152,149 @@ class TableEntry:
 
 
 Key = tuple[str, str, str]  # (heads bucket or "*", S_q bucket or "*", kv kind or "*")
+#: Triton releases as (major, minor): a release table applies below its bound.
+Release = tuple[int, int]
 
-_AMD_KNOBS = {"waves_per_eu": 1, "matrix_instr_nonkdim": 16}
+
+class TableFileError(ValueError):
+    """A table file (built in, autotune's, or a user's) that does not read as one: the message
+    names the file, the entry and what was wrong."""
 
 
-#: gfx942's and gfx950's fp8 entry for the compute-bound shapes (gfx942 adds kpack 2; see the
-#: tables for why this shape).
-_AMD_FP8_ROW_OWNED = LaunchConfig(
-    block_h=64,
-    block_n=16,
-    num_warps=4,
-    num_stages=2,
-    dv_chunks=2,
-    num_xcds=8,
-    fp8_qk=True,
-    rows_per_warp=16,
-    prefetch_ids=True,
-    **_AMD_KNOBS,
+#: The fields a table file may hold; ``entries`` is the table, the rest is provenance.
+_FILE_FIELDS = {"target", "before_triton", "about", "device", "environment", "entries", "sweeps"}
+_ENTRY_FIELDS = {"heads", "q_len", "kv", "config", "source", "why"}
+_KEY_VALUES = (
+    ("heads", (*(str(b) for b in HEAD_BUCKETS), "*")),
+    ("q_len", (*(str(b) for b in Q_LEN_BUCKETS), "*")),
+    ("kv", (*KV_KINDS, "*")),
 )
 
 
-def _row_owned(
-    arch: str, *, bf16: LaunchConfig, fp8: LaunchConfig | None = None
-) -> dict[Key, TableEntry]:
-    """AMD entries for the compute-bound shapes (S_q x H >= 64 in the buckets that reach it:
-    H 17-128 at any S_q, H <= 16 at S_q 3-8): 16 rows per wave, so the waves split the rows of
-    ``Q K^T`` instead of each computing all of them (the 4x replication of 16-row tiles).
-    ``fp8`` None: the fp8 shapes keep the arch's general fp8 entry."""
-    why = (
-        f"unmeasured: compiled for {arch}, each wave owns 16 rows (issued/useful QK.PV 1.0), "
-        "V in two halves, block ids one trip ahead so the KV loads are pipelined, no spills"
-    )
-    entries = {}
-    for key in (("128", "*"), ("64", "*"), ("16", "4")):
-        entries[(*key, "16bit")] = TableEntry(bf16, why)
-        if fp8 is not None:
-            entries[(*key, "fp8")] = TableEntry(fp8, why)
-    return entries
+@dataclass(frozen=True)
+class TableFile:
+    """One table file as read: its target, the release it applies below (None: every
+    release) and its entries."""
+
+    target: str
+    before: Release | None
+    entries: dict[Key, TableEntry]
 
 
-TABLES: dict[str, dict[Key, TableEntry]] = {
-    # Hopper: 228 KB of shared memory per SM and wgmma wants M = 64. 8 warps split the
-    # [64, 512] fp32 accumulator over two warpgroups (128 registers a thread).
-    "sm90": {
-        # 64 rows (wgmma): two stages, so the next tile's copies are issued while this one
-        # is computed (two smem buffers, 224 KB with Q and P). 16 or 32 rows (mma.sync):
-        # three, with the block ids a trip ahead (else one buffer is all the pipeliner
-        # makes). fp8 has no mma.sync (Triton upcasts it to f16): its groups under 64 rows
-        # keep wgmma with keys as M (S^T = K Q^T: M the 64 keys, N the 16 or 32 rows; each
-        # warpgroup half of N for Q.K^T and half of Dv for P.V), so 96 rows run as three
-        # 32-row groups with no padded row issued rather than two 64-row groups (1.33).
-        ("*", "*", "16bit"): TableEntry(
-            LaunchConfig(
-                block_h=64,
-                block_n=64,
-                num_warps=8,
-                num_stages=2,
-                shrunk_num_stages=3,
-                shrunk_prefetch_ids=True,
-            ),
-            "unmeasured: the H200 sweep's winner (issue 17: 64 x 64, 8 warps) with the "
-            "stages set per group size; compiled for sm90: each warpgroup computes its own "
-            "32 keys of Q.K^T, two KV smem buffers",
-        ),
-        ("*", "*", "fp8"): TableEntry(
-            LaunchConfig(
-                block_h=64,
-                block_n=32,
-                num_warps=8,
-                num_stages=3,
-                fp8_qk=True,
-                shrunk_block_n=64,
-                shrunk_prefetch_ids=True,
-                shrunk_keys_as_m=True,
-            ),
-            "unmeasured: compiled for sm90 with Triton 3.8.0 and 3.9.0: fp8 Q.K^T, fp16 P.V "
-            "(V converted as read: no byte-wide shared access); 64-row groups in 32-key "
-            "tiles (247-255 registers, no spills; 64 keys spill 24-56 B), a group under 64 "
-            "rows runs keys as M in 64-key tiles (issued/useful 1.0 at 16 and 32 rows), "
-            "three KV smem buffers",
-        ),
-        # fp32 tiles are twice the bytes: three 64-key stages would not fit.
-        ("*", "*", "fp32"): TableEntry(
-            LaunchConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-            "unmeasured: the pre-tuning CUDA default (fp32 is a test dtype)",
-        ),
-    },
-    # MI300X: 64 KB of LDS per CU, so 16-key tiles (32 for fp8); one wave per SIMD leaves
-    # the registers to the accumulator; 16x16 MFMA with kpack 2; 8 XCDs. The memory-bound
-    # shapes (fewer than 64 rows) keep 4 waves on one 16-row tile; the compute-bound ones
-    # give each wave its own 16 rows and two LDS stages (_row_owned).
-    "gfx942": {
-        ("*", "*", "*"): TableEntry(
-            LaunchConfig(
-                block_h=16,
-                block_n=16,
-                num_warps=4,
-                num_stages=2,
-                num_xcds=8,
-                kpack=2,
-                prefetch_ids=True,
-                **_AMD_KNOBS,
-            ),
-            "unmeasured: sglang/vLLM's MI3xx shape, with the next tile prefetched (block ids "
-            "one trip ahead, two LDS buffers); compiles without spills",
-        ),
-        ("*", "*", "fp8"): TableEntry(
-            LaunchConfig(
-                block_h=16,
-                block_n=32,
-                num_warps=4,
-                num_stages=2,
-                num_xcds=8,
-                fp8_qk=True,
-                kpack=2,
-                prefetch_ids=True,
-                **_AMD_KNOBS,
-            ),
-            "unmeasured: fp8 tiles are half the bytes, so 32 keys fit the LDS twice (the next "
-            "tile prefetched)",
-        ),
-        # fp8 rows owned per wave fit since Q arrives quantized (quantize_q) and the softmax
-        # step shares the dots' block (mla_decode_kernel._attend_tile: each wave 16 rows of both
-        # dots): V in two halves, no spills at any case of bench static. Two stages (the
-        # next tile in registers, one LDS slot): with three, the 32-row groups of a causal
-        # verify window (H12 S_q 8, H24 S_q 4) spill 57 VGPRs (gfx950: 21). P.V runs fp16 on
-        # V converted as read (ds_read_b128): an fp8 P.V read V byte by byte here (gfx942
-        # has no transposing LDS read), 256 ds_read_u8 a 32-key tile; now 64 ds_read_u16 of
-        # the fp16 copy a 16-key tile, as a bf16 cache does. 16 keys, not the 32 of fp8's
-        # K: with P.V's fp16 copy of V, 32 keys spill 1 VGPR at H24 S_q 2 (gfx942) and 15-66
-        # at H96 (gfx950, Triton 3.9 / 3.8); 16 also leaves 10-130 AGPRs where 32 took
-        # 70-160.
-        **_row_owned(
-            "gfx942",
-            bf16=LaunchConfig(
-                block_h=64,
-                block_n=16,
-                num_warps=4,
-                num_stages=2,
-                dv_chunks=2,
-                num_xcds=8,
-                kpack=2,
-                rows_per_warp=16,
-                prefetch_ids=True,
-                **_AMD_KNOBS,
-            ),
-            fp8=replace(_AMD_FP8_ROW_OWNED, kpack=2),
-        ),
-    },
-    # MI355X: 160 KB of LDS allows double buffering; 8 warps split the accumulator (32-key
-    # tiles with 8 warps spill in Triton 3.9); kpack is deprecated there (forced to 1).
-    "gfx950": {
-        ("*", "*", "*"): TableEntry(
-            LaunchConfig(
-                block_h=16,
-                block_n=16,
-                num_warps=8,
-                num_stages=2,
-                num_xcds=8,
-                prefetch_ids=True,
-                **_AMD_KNOBS,
-            ),
-            "unmeasured: the next tile prefetched (block ids one trip ahead, two LDS "
-            "buffers); compiles without spills",
-        ),
-        ("*", "*", "fp8"): TableEntry(
-            LaunchConfig(
-                block_h=16,
-                block_n=32,
-                num_warps=4,
-                num_stages=2,
-                num_xcds=8,
-                fp8_qk=True,
-                prefetch_ids=True,
-                **_AMD_KNOBS,
-            ),
-            "unmeasured: fp8 tiles are half the bytes, so 32 keys fit twice (the next tile "
-            "prefetched)",
-        ),
-        **_row_owned(
-            "gfx950",
-            bf16=LaunchConfig(
-                block_h=64,
-                block_n=16,
-                num_warps=4,
-                num_stages=3,
-                dv_chunks=2,
-                num_xcds=8,
-                rows_per_warp=16,
-                prefetch_ids=True,
-                **_AMD_KNOBS,
-            ),
-            fp8=_AMD_FP8_ROW_OWNED,
-        ),
-        # fp32 tiles spill 100-130 VGPRs with 8 warps (Triton 3.9), with or without stages.
-        ("*", "*", "fp32"): TableEntry(
-            LaunchConfig(
-                block_h=16, block_n=16, num_warps=4, num_stages=1, num_xcds=8, **_AMD_KNOBS
-            ),
-            "unmeasured: fp32 is a test dtype; compiles without spills",
-        ),
-    },
-    # Any other GPU: the pre-tuning CUDA default (other hip archs take gfx942's entries).
-    "fallback": {
-        ("*", "*", "*"): TableEntry(
-            LaunchConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-            "unmeasured: the pre-tuning CUDA default",
-        ),
-    },
-    # The CPU interpreter pays per program and per loop trip, not per register: big tiles.
-    "interpreter": {
-        ("*", "*", "*"): TableEntry(
-            LaunchConfig(block_h=64, block_n=64, num_warps=4, num_stages=1),
-            "interpreter: fewest programs and loop trips",
-        ),
-    },
-}
+def _release(text: object, path: object) -> Release:
+    """``"3.9"`` -> ``(3, 9)``, through ``packaging`` as every Triton version the package reads."""
+    try:
+        release = _Release(str(text)).release
+    except InvalidVersion:
+        release = ()
+    if not isinstance(text, str) or len(release) != 2:
+        raise TableFileError(
+            f"{path}: 'before_triton' must be a Triton release as a string, e.g. \"3.9\", "
+            f"got {text!r}"
+        )
+    return release[0], release[1]
 
 
+def read_table_file(path: str | os.PathLike) -> TableFile:
+    """Read and check a table file (the format ``benchmarks/autotune_triton.py`` writes):
+
+    ``{"target": "gfx942", "entries": [{"heads": "128", "q_len": "1", "kv": "16bit",
+    "config": {...}, "source": "..."}, ...]}``, ``"*"`` allowed in the three keys; optional
+    ``"before_triton": "3.9"`` (the entries apply under older releases only), ``"device"``
+    (an entry without ``"source"`` is ``"measured: <device>"``), ``"about"``, per entry
+    ``"why"``, and autotune's ``"environment"`` and ``"sweeps"``. Raises ``TableFileError``
+    naming the file and the entry on anything else."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise TableFileError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise TableFileError(f"{path}: must hold a JSON object, got {type(data).__name__}")
+    unknown = set(data) - _FILE_FIELDS
+    if unknown:
+        raise TableFileError(
+            f"{path}: unknown fields {sorted(unknown)}; a table file holds {sorted(_FILE_FIELDS)}"
+        )
+    target = data.get("target")
+    if target not in TARGET_KEYS:
+        borrower = REGISTRY.get(target) if isinstance(target, str) else None
+        hint = f" ({target} reads {borrower.table}'s table)" if borrower else ""
+        raise TableFileError(f"{path}: 'target' must be one of {TARGET_KEYS}, got {target!r}{hint}")
+    before = None if data.get("before_triton") is None else _release(data["before_triton"], path)
+    items = data.get("entries")
+    if not isinstance(items, list):
+        raise TableFileError(f"{path}: 'entries' must be a list of entries, got {items!r}")
+    entries: dict[Key, TableEntry] = {}
+    for index, item in enumerate(items):
+        where = f"{path}: entry {index}"
+        if not isinstance(item, dict) or not {"heads", "q_len", "kv", "config"} <= set(item):
+            raise TableFileError(
+                f"{where}: must be an object with 'heads', 'q_len', 'kv' and 'config', got {item!r}"
+            )
+        if set(item) - _ENTRY_FIELDS:
+            raise TableFileError(
+                f"{where}: unknown fields {sorted(set(item) - _ENTRY_FIELDS)}; an entry holds "
+                f"{sorted(_ENTRY_FIELDS)}"
+            )
+        key = tuple(str(item[name]) for name, _ in _KEY_VALUES)
+        for (name, allowed), part in zip(_KEY_VALUES, key, strict=True):
+            if part not in allowed:
+                raise TableFileError(f"{where}: {name} {part!r} is not one of {allowed}")
+        if key in entries:
+            raise TableFileError(f"{where}: key {key} appears twice")
+        if not isinstance(item["config"], dict):
+            raise TableFileError(f"{where}: 'config' must be an object, got {item['config']!r}")
+        try:
+            config = LaunchConfig.from_dict(item["config"])
+        except (TypeError, ValueError) as exc:
+            raise TableFileError(f"{where} {key}: {exc}") from None
+        source = item.get("source", f"measured: {data.get('device', 'unknown device')}")
+        if not isinstance(source, str) or not source.strip():
+            raise TableFileError(f"{where} {key}: 'source' must be a non-empty string")
+        entries[key] = TableEntry(config, source)
+    return TableFile(target, before, entries)
+
+
+def load_table_file(path: str | os.PathLike) -> dict[str, dict[Key, TableEntry]]:
+    """``{target: {key: entry}}`` of a table file (``read_table_file``), without installing
+    it; ``install_table_file`` merges it in."""
+    table = read_table_file(path)
+    return {table.target: table.entries}
+
+
+#: The built-in tables, one JSON file per table key, and beside them the release tables:
+#: ``<key>.before-triton-<X.Y>.json``.
+CONFIGS_DIR = Path(__file__).resolve().with_name("configs")
+
+
+def _builtin() -> tuple[dict[str, dict[Key, TableEntry]], dict[str, tuple]]:
+    tables: dict[str, dict[Key, TableEntry]] = {}
+    releases: dict[str, list[tuple[Release, dict[Key, TableEntry]]]] = {}
+    for key in TARGET_KEYS:
+        path = CONFIGS_DIR / f"{key}.json"
+        table = read_table_file(path)
+        if table.target != key or table.before is not None:
+            raise TableFileError(f"{path}: must hold {key}'s table for every release")
+        tables[key] = table.entries
+        for path in sorted(CONFIGS_DIR.glob(f"{key}.before-triton-*.json")):
+            table = read_table_file(path)
+            bound = path.name.removeprefix(f"{key}.before-triton-").removesuffix(".json")
+            if table.target != key or table.before != _release(bound, path):
+                raise TableFileError(
+                    f'{path}: must hold {key}\'s entries with "before_triton": "{bound}"'
+                )
+            releases.setdefault(key, []).append((table.before, table.entries))
+    return tables, {key: tuple(sorted(found)) for key, found in releases.items()}
+
+
+#: ``{table key: {key: entry}}``, from ``configs/<key>.json``.
+TABLES: dict[str, dict[Key, TableEntry]]
 #: Entries for Triton releases before a given one, that replace the target's own entry of the
 #: same key there (``lookup``): ``{target: ((first release that no longer needs them,
 #: {key: entry}), ...)}``, the oldest bound first. Each source names the release it was
 #: compiled with (``rocm-mla bench static --triton``).
-RELEASE_TABLES: dict[str, tuple[tuple[tuple[int, int], dict[Key, TableEntry]], ...]] = {
-    "sm90": (
-        (
-            (3, 9),
-            {
-                # Triton 3.8 (torch 2.14, vLLM 0.33) keeps more of a 64-row group live through
-                # the walk than 3.9: at 64 x 64 tiles its builds spill 16-80 B at 255
-                # registers (H128, K3 DCP-4, H96 and H24 windows; 3.9 none). 32-key tiles
-                # fit; 16- and 32-row groups keep 64 keys, spill-free on 3.8.
-                ("*", "*", "16bit"): TableEntry(
-                    replace(
-                        TABLES["sm90"][("*", "*", "16bit")].config,
-                        block_n=32,
-                        num_stages=3,
-                        shrunk_block_n=64,
-                    ),
-                    "unmeasured: compiled with Triton 3.8.0 for sm90: 64-row groups in 32-key "
-                    "tiles (254 registers, no spills; 64 keys spill 36-80 B), smaller groups "
-                    "as on 3.9",
-                ),
-                # Verify windows (S_q > 1): the window's tail tiles keep more live again, and
-                # 64-row groups spill 4-8 B at 255 registers in 32-key tiles (H24 S_q 2, H12
-                # S_q 4, H96 and H128 windows), 12-24 B in 16-key tiles and 8-20 B in 64-key
-                # ones; 32-row groups in 64-key tiles (206 registers) do not. Each KV tile is
-                # then read by twice the groups, from L2 by neighbouring programs, as 96 rows
-                # already run on every release.
-                **{
-                    (heads, q_len, "16bit"): TableEntry(
-                        replace(
-                            TABLES["sm90"][("*", "*", "16bit")].config,
-                            block_h=32,
-                            block_n=64,
-                            num_stages=3,
-                            prefetch_ids=True,
-                        ),
-                        "unmeasured: compiled with Triton 3.8.0 for sm90: verify windows in "
-                        "32-row groups of 64-key tiles (206 registers, no spills; 64-row "
-                        "groups spill 4-24 B in 16-, 32- or 64-key tiles)",
-                    )
-                    for heads in ("16", "64", "128")
-                    for q_len in ("2", "4")
-                },
-            },
-        ),
-    ),
-    # MI300X under Triton 3.5-3.7 (torch 2.11's ROCm wheels carry 3.6): the row-owned verify
-    # windows (S_q > 1 where 16 rows a wave apply) spill 34-127 VGPRs with their KV loads
-    # pipelined (two stages, bf16 and fp8 alike; 3.8 and 3.9 none). One stage spills none
-    # (204-219 AGPRs); its loads are not overlapped with the walk.
-    "gfx942": (
-        (
-            (3, 8),
-            {
-                (heads, q_len, kind): TableEntry(
-                    replace(TABLES["gfx942"][(heads, q_bucket, kind)].config, num_stages=1),
-                    "unmeasured: compiled with Triton 3.6.0 for gfx942: row-owned verify "
-                    "windows in one stage (no spills; two stages spill 34-127 VGPRs there)",
-                )
-                for heads, q_bucket, q_lens in (
-                    ("16", "4", ("4",)),
-                    ("64", "*", ("2", "4")),
-                    ("128", "*", ("2", "4")),
-                )
-                for q_len in q_lens
-                for kind in ("16bit", "fp8")
-            },
-        ),
-    ),
-}
-
-
-def triton_release() -> tuple[int, int]:
-    """(major, minor) of the Triton this process imports."""
-    import triton
-
-    major, minor = triton.__version__.split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+RELEASE_TABLES: dict[str, tuple[tuple[Release, dict[Key, TableEntry]], ...]]
+TABLES, RELEASE_TABLES = _builtin()
 
 
 def head_bucket(num_heads: int) -> str:
@@ -464,14 +322,17 @@ def lookup(
     num_heads: int,
     q_len: int,
     kv_dtype: torch.dtype,
-    release: tuple[int, int] | None = None,
+    release: Release | None = None,
 ) -> TableEntry:
     """The most specific entry of ``TABLES[target_key]`` for this shape and KV dtype, with the
-    ``RELEASE_TABLES`` entries of Triton ``release`` (None: the one imported) over it."""
+    ``RELEASE_TABLES`` entries of Triton ``release`` (None: the one imported; a version that
+    does not parse takes none) over it."""
     table = TABLES[target_key]
-    release = triton_release() if release is None else release
+    if release is None:
+        version = triton_version()
+        release = None if version is None else version[:2]
     for before, entries in reversed(RELEASE_TABLES.get(target_key, ())):
-        if release < before:
+        if release is not None and release < before:
             table = {**table, **entries}
     h, s, kv = head_bucket(num_heads), q_len_bucket(q_len), kv_kind(kv_dtype)
     for key in ((h, s, kv), (h, s, "*"), (h, "*", kv), (h, "*", "*"), ("*", "*", kv)):
@@ -480,38 +341,19 @@ def lookup(
     return table[("*", "*", "*")]
 
 
-def load_table_file(path: str | os.PathLike) -> dict[str, dict[Key, TableEntry]]:
-    """Parse an autotune JSON file: ``{"target": ..., "device": ..., "entries": [...]}``.
-
-    Each entry is ``{"heads": "128", "q_len": "1", "kv": "16bit", "config": {...},
-    "source": "..."}`` (``"*"`` allowed in the three keys). Returns ``{target: {key: entry}}``
-    without touching ``TABLES``; ``install_table_file`` merges it in.
-    """
-    data = json.loads(Path(path).read_text())
-    target = data.get("target")
-    if target not in TARGET_KEYS:
-        raise ValueError(f"{path}: 'target' must be one of {TARGET_KEYS}, got {target!r}")
-    entries = {}
-    for item in data.get("entries", []):
-        key = (str(item["heads"]), str(item["q_len"]), str(item["kv"]))
-        allowed = (
-            [str(b) for b in HEAD_BUCKETS] + ["*"],
-            [str(b) for b in Q_LEN_BUCKETS] + ["*"],
-            [*KV_KINDS, "*"],
-        )
-        for part, ok in zip(key, allowed, strict=True):
-            if part not in ok:
-                raise ValueError(f"{path}: key {key}: {part!r} is not one of {ok}")
-        source = item.get("source") or f"measured: {data.get('device', 'unknown device')}"
-        entries[key] = TableEntry(LaunchConfig.from_dict(item["config"]), source)
-    return {target: entries}
-
-
 def install_table_file(path: str | os.PathLike) -> None:
-    """Merge an autotune JSON file over the built-in entries of its target."""
-    for target, entries in load_table_file(path).items():
-        TABLES[target] = {**TABLES[target], **entries}
+    """Merge a table file (autotune's, a user's) over the built-in entries of its target: over
+    its table, or with ``before_triton`` over (or as) its release table of that bound."""
+    table = read_table_file(path)
+    if table.before is None:
+        TABLES[table.target] = {**TABLES[table.target], **table.entries}
+        return
+    releases = dict(RELEASE_TABLES.get(table.target, ()))
+    releases[table.before] = {**releases.get(table.before, {}), **table.entries}
+    RELEASE_TABLES[table.target] = tuple(sorted(releases.items()))
 
 
-if os.environ.get("ROCM_MLA_TRITON_CONFIGS"):
-    install_table_file(os.environ["ROCM_MLA_TRITON_CONFIGS"])
+#: A user's table file, merged over the built-in tables at import (``install_table_file``).
+CONFIGS_ENV = "ROCM_MLA_TRITON_CONFIGS"
+if os.environ.get(CONFIGS_ENV):
+    install_table_file(os.environ[CONFIGS_ENV])
