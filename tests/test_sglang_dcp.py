@@ -184,9 +184,10 @@ def test_rank_local_lengths_are_sglangs_and_address_its_rows(case, rank, monkeyp
 
 @pytest.mark.parametrize("rank", range(DCP_WORLD))
 def test_graph_state_metadata_decodes_as_eager(rank, monkeypatch):
-    """Graph buffers under DCP hold a row per query token: captured and replayed metadata
-    (planned for the pool's context length, re-planned on the step's local lengths) give
-    this rank's partial and LSE exactly as the eager plan."""
+    """Graph buffers under DCP hold each request's local length and every query row's
+    local bound: captured and replayed metadata (planned for the pool's context length,
+    re-planned on the step's local lengths) give this rank's partial and LSE exactly as the
+    eager plan."""
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
@@ -212,7 +213,10 @@ def test_graph_state_metadata_decodes_as_eager(rank, monkeypatch):
     replayed = backend.forward_metadata
     assert replayed.plan is captured.plan
     assert replayed.cache_seqlens.data_ptr() == captured.cache_seqlens.data_ptr()
-    assert replayed.cache_seqlens.tolist() == replayed.dcp.dcp_local_seq_lens.reshape(-1).tolist()
+    assert replayed.row_seqlens.data_ptr() == captured.row_seqlens.data_ptr()
+    local = replayed.dcp.dcp_local_seq_lens
+    assert replayed.row_seqlens.tolist() == local.tolist()
+    assert replayed.cache_seqlens.tolist() == local[:, -1].tolist()
     graph = decode()
     for got, want in zip(graph, eager, strict=True):
         torch.testing.assert_close(got, want, atol=TOLERANCE, rtol=TOLERANCE)

@@ -206,12 +206,7 @@ def dcp_mla_decode(
 
     q = q_local if replicated_heads else gather_query_heads(q_local, group)
     block_table = metadata.block_table
-    if local is None:
-        lens, rows = metadata.seq_lens, None
-    else:
-        # A window's last row sees the most: the request's local length.
-        rows = local.to(torch.int32).contiguous()
-        lens = rows[:, -1].contiguous()
+    lens, rows = (metadata.seq_lens, None) if local is None else metadata.shard_lengths()
 
     if isinstance(backend, MLADecodeImpl):
         if head_dim_v not in (None, backend.head_dim_v) or softmax_scale not in (

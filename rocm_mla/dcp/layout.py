@@ -227,6 +227,19 @@ class DecodeMetadata:
         )
         return cls(block_table, seq_lens, local, dcp_world_size, dcp_rank, dcp_interleave)
 
+    def shard_lengths(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lengths of the kernel call over this rank's shard: ``(cache_seqlens [B],
+        row_seqlens [B, S_q] or None)``, int32.
+
+        With DCP each request is as long as its window's last row's local length (the
+        largest) and every row keeps its own bound (``mla_decode(row_seqlens=)``); without,
+        the global lengths and no row bounds (causality says them).
+        """
+        if self.dcp_local_seq_lens is None:
+            return self.seq_lens, None
+        rows = self.dcp_local_seq_lens.to(torch.int32).contiguous()
+        return rows[:, -1].contiguous(), rows
+
 
 def plan_step_decode(
     seq_lens: torch.Tensor,

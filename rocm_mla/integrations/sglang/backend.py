@@ -138,12 +138,12 @@ class _StepMetadata:
     plan, and under DCP the runner-side metadata they were made from."""
 
     plan: DecodePlan
-    #: ``[B, max_pages]`` int32 page ids; under DCP ``[B * q_len, max_pages]``, one row per
-    #: query row (the window folded into the batch, as ``rocm_mla.dcp`` decodes a shard).
-    block_table: torch.Tensor
-    #: ``[B]`` int32 global lengths, the step's new tokens included; under DCP
-    #: ``[B * q_len]``, each query row's rank-local length.
+    block_table: torch.Tensor  #: ``[B, max_pages]`` int32 page ids
+    #: ``[B]`` int32 lengths, the step's new tokens included: global, or under DCP each
+    #: request's rank-local one (its window's last row's)
     cache_seqlens: torch.Tensor
+    #: under DCP ``[B, q_len]`` int32, each query row's rank-local KV bound; else None
+    row_seqlens: torch.Tensor | None
     requests: int
     q_len: int
     dcp: DecodeMetadata | None
@@ -255,6 +255,7 @@ class RocmMLAAttnBackend(AttentionBackend):
         self.forward_metadata: _StepMetadata | None = None
         self._graph_block_table: torch.Tensor | None = None
         self._graph_seqlens: torch.Tensor | None = None
+        self._graph_row_seqlens: torch.Tensor | None = None
         self._graph_plans: dict[tuple[int, int], DecodePlan] = {}
         self._log = _CallLog()
         if self.dcp_size > 1:
@@ -320,24 +321,25 @@ class RocmMLAAttnBackend(AttentionBackend):
         seqlens = forward_batch.seq_lens[:batch].to(torch.int32) + extra
         host = forward_batch.seq_lens_cpu
         host_lens = None if host is None else host[:batch].to(torch.int32) + extra
-        dcp = None
+        dcp, row_seqlens = None, None
         if self.dcp_size > 1:
             # The rank-local lengths are made here only: from SGLang's global lengths and its
             # layout, by rocm_mla's formula (the device copy decodes, the host copy plans).
             dcp = DecodeMetadata.build(block_table, seqlens, q_len, self.dcp_size, self.dcp_rank)
-            block_table, seqlens = self._shard_rows(dcp.block_table, dcp.dcp_local_seq_lens)
+            seqlens, row_seqlens = dcp.shard_lengths()
             if host_lens is not None:
-                host_lens = verify_local_seq_lens(
-                    host_lens, q_len, self.dcp_size, self.dcp_rank
-                ).reshape(-1)
-        kernel_rows = seqlens.shape[0]
-        graph = self._graph_seqlens is not None and kernel_rows <= self._graph_seqlens.shape[0]
+                host_lens = verify_local_seq_lens(host_lens, q_len, self.dcp_size, self.dcp_rank)
+                host_lens = host_lens[:, -1]
+        graph = self._graph_seqlens is not None and batch <= self._graph_seqlens.shape[0]
         key = (batch, q_len)
         if graph and (in_capture or key in self._graph_plans):
-            self._graph_block_table[:kernel_rows].copy_(block_table)
-            self._graph_seqlens[:kernel_rows].copy_(seqlens)
-            block_table = self._graph_block_table[:kernel_rows]
-            seqlens = self._graph_seqlens[:kernel_rows]
+            self._graph_block_table[:batch].copy_(block_table)
+            self._graph_seqlens[:batch].copy_(seqlens)
+            block_table = self._graph_block_table[:batch]
+            seqlens = self._graph_seqlens[:batch]
+            if row_seqlens is not None:
+                rows = self._graph_row_seqlens[: batch * q_len].view(batch, q_len)
+                row_seqlens = rows.copy_(row_seqlens)
             plan = self._graph_plans.get(key)
             if plan is None:
                 # Any replayed step of this shape: lengths up to the pool's context length.
@@ -347,22 +349,9 @@ class RocmMLAAttnBackend(AttentionBackend):
         else:
             plan = self._plan(seqlens if host_lens is None else host_lens, q_len)
         _announce(plan)
-        self.forward_metadata = _StepMetadata(plan, block_table, seqlens, batch, q_len, dcp)
-
-    @staticmethod
-    def _shard_rows(
-        block_table: torch.Tensor, local_seq_lens: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel call over this rank's shard: ``[B * S_q, max_pages]`` and ``[B * S_q]``.
-
-        A window's rows have rank-local lengths that do not differ by one per row, which a
-        causal call cannot express, so each query row becomes a request of its own with its
-        local length (non-causal), over its request's block-table row: the form
-        ``rocm_mla.dcp`` decodes a shard in.
-        """
-        q_len = local_seq_lens.shape[1]
-        rows = block_table if q_len == 1 else block_table.repeat_interleave(q_len, dim=0)
-        return rows, local_seq_lens.reshape(-1).to(torch.int32)
+        self.forward_metadata = _StepMetadata(
+            plan, block_table, seqlens, row_seqlens, batch, q_len, dcp
+        )
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         # Ours is all out of graph; the delegate may record its own.
@@ -370,30 +359,30 @@ class RocmMLAAttnBackend(AttentionBackend):
             self.prefill_backend.init_forward_metadata_in_graph(forward_batch)
 
     def _plan(self, lengths, q_len: int, bound: int | None = None) -> DecodePlan:
-        """The step's plan for ``lengths``, those of the kernel call (under DCP one
-        single-row, non-causal request per query row: ``_shard_rows``)."""
-        sharded = self.dcp_size > 1
+        """The step's plan for ``lengths``, those of the kernel call (under DCP the rank-local
+        ones, with every row's own bound)."""
         return plan_decode(
             lengths,
-            q_len=1 if sharded else q_len,
+            q_len=q_len,
             num_heads=self.num_heads,
             head_dim_v=self.head_dim_v,
             rope_dim=self.rope_dim,
             kv_dtype=self.kv_dtype,
             q_dtype=self.q_dtype,
-            causal=not sharded,
+            row_bounds=self.dcp_size > 1,
             device=self.device,
             graph_max_seqlen=bound,
             backend=self.rocm_mla_backend,
         )
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        # Under DCP the kernel call has a row per query token (``_shard_rows``).
-        rows = max(max_bs, max_num_tokens) if self.dcp_size > 1 else max_bs
         self._graph_block_table = torch.zeros(
-            (rows, self.max_pages), dtype=torch.int32, device=self.device
+            (max_bs, self.max_pages), dtype=torch.int32, device=self.device
         )
-        self._graph_seqlens = torch.zeros((rows,), dtype=torch.int32, device=self.device)
+        self._graph_seqlens = torch.zeros((max_bs,), dtype=torch.int32, device=self.device)
+        # Under DCP every query row's bound (a window's rows: at most max_num_tokens).
+        rows = max(max_bs, max_num_tokens) if self.dcp_size > 1 else 0
+        self._graph_row_seqlens = torch.zeros((rows,), dtype=torch.int32, device=self.device)
         self._graph_plans = {}
         if type(self.prefill_backend).init_cuda_graph_state is not (
             AttentionBackend.init_cuda_graph_state
@@ -500,21 +489,19 @@ class RocmMLAAttnBackend(AttentionBackend):
             self._log(
                 "decode", meta.plan.backend, rows, meta.q_len, forward_batch.forward_mode.name
             )
-        sharded = meta.dcp is not None
         out, lse = mla_decode(
-            # Under DCP one single-row request per query row (``_shard_rows``).
-            q.view(rows, 1, heads, width) if sharded else q.view(-1, meta.q_len, heads, width),
+            q.view(-1, meta.q_len, heads, width),
             pages,
             meta.block_table,
             meta.cache_seqlens,
             head_dim_v=self.head_dim_v,
             softmax_scale=layer.scaling,
-            causal=not sharded,
             kv_scale=kv_scale,
             plan=meta.plan,
+            row_seqlens=meta.row_seqlens,
         )
         out = out.reshape(rows, heads * self.head_dim_v)
-        if not sharded:
+        if meta.dcp is None:
             return out
         return out, lse.reshape(rows, heads) * self.lse_scale
 
