@@ -82,6 +82,30 @@ def dense_varlen_mla_decode(q, query_start_loc, kv_cache, block_table, cache_seq
     return torch.cat(outs), torch.cat(lses)
 
 
+def dcp_shard(kv, block_table, lengths, world, rank, interleave, block_size=64):
+    """DCP rank ``rank``'s cache of a global paged cache (pages of ``kv.shape[1]``): the
+    tokens it owns (``rocm_mla.dcp.owner_rank``), in order, as a dense prefix of its own
+    pages of ``block_size`` (the layout ``rocm_mla.dcp.slot_mapping`` writes), NaN elsewhere.
+    Returns ``(cache, block_table, local lengths int32)``."""
+    from rocm_mla.dcp import local_seq_lens, owner_rank
+
+    local = local_seq_lens(torch.tensor(lengths), world, rank, interleave).tolist()
+    pages = [max(1, -(-n // block_size)) for n in local]
+    shard = torch.full((sum(pages) + 1, block_size, kv.shape[-1]), math.nan, dtype=kv.dtype)
+    table = torch.full((len(lengths), max(pages)), -1, dtype=torch.int32)
+    page, source_block = 0, kv.shape[1]
+    for b, length in enumerate(lengths):
+        positions = torch.arange(length)
+        mine = positions[owner_rank(positions, world, interleave) == rank]
+        for j in range(pages[b]):
+            table[b, j] = page + j
+        for slot, p in enumerate(mine.tolist()):
+            source = kv[int(block_table[b, p // source_block]), p % source_block]
+            shard[page + slot // block_size, slot % block_size] = source
+        page += pages[b]
+    return shard, table, torch.tensor(local, dtype=torch.int32)
+
+
 def make_paged_problem(
     lengths,
     *,

@@ -15,21 +15,20 @@ drafts) are checked window by window against the same reference, with and withou
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import rocm_mla
-from rocm_mla.dcp import local_seq_lens, owner_rank, verify_local_seq_lens
+from rocm_mla.dcp import verify_local_seq_lens
 from tests.reference import (
     assert_same_attention,
+    dcp_shard,
     dense_mla_decode,
     dense_varlen_mla_decode,
     make_paged_problem,
 )
 
-BLOCK = 64
+BLOCK = 64  # the shards' page size (tests.reference.dcp_shard)
 HEADS = 4
 #: fp32 on the CPU against fp64: the torch backend's fused attention, the C++ kernel and the
 #: Triton interpreter.
@@ -56,32 +55,12 @@ def _window_lengths(backend: str, world: int, interleave: int) -> list[tuple[int
     return [every[(2 * k) % 16], every[(2 * k + 9) % 16]]
 
 
-def _shard(kv, block_table, lengths, world, rank, interleave):
-    """Rank ``rank``'s cache: the tokens it owns, in order, as a dense prefix of its own
-    pages (the layout ``rocm_mla.dcp.slot_mapping`` writes); a fresh block table."""
-    local = local_seq_lens(torch.tensor(lengths), world, rank, interleave).tolist()
-    pages = [max(1, -(-n // BLOCK)) for n in local]
-    shard = torch.full((sum(pages) + 1, BLOCK, kv.shape[-1]), math.nan)
-    table = torch.full((len(lengths), max(pages)), -1, dtype=torch.int32)
-    page = 0
-    for b, length in enumerate(lengths):
-        positions = torch.arange(length)
-        mine = positions[owner_rank(positions, world, interleave) == rank]
-        for j in range(pages[b]):
-            table[b, j] = page + j
-        for slot, p in enumerate(mine.tolist()):
-            source = kv[int(block_table[b, p // BLOCK]), p % BLOCK]
-            shard[page + slot // BLOCK, slot % BLOCK] = source
-        page += pages[b]
-    return shard, table, torch.tensor(local, dtype=torch.int32)
-
-
 def _dcp_decode(backend, q, kv, block_table, lengths, world, interleave, causal):
     """Every rank's decode of its shard with per-row bounds, merged by LSE."""
     q_len = q.shape[1]
     outs, lses = [], []
     for rank in range(world):
-        shard, table, local = _shard(kv, block_table, lengths, world, rank, interleave)
+        shard, table, local = dcp_shard(kv, block_table, lengths, world, rank, interleave)
         if causal:
             rows = verify_local_seq_lens(torch.tensor(lengths), q_len, world, rank, interleave)
         else:
@@ -164,7 +143,7 @@ def test_windows_of_different_lengths_under_dcp(backend, interleave):
     ref = dense_varlen_mla_decode(q, qsl, kv, table, lens, causal=True)
     outs, lses = [], []
     for rank in range(world):
-        shard, local_table, local = _shard(kv, table, lengths, world, rank, interleave)
+        shard, local_table, local = dcp_shard(kv, table, lengths, world, rank, interleave)
         rows = torch.cat(
             [
                 verify_local_seq_lens(torch.tensor([n]), s, world, rank, interleave)[0]
