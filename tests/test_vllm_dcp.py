@@ -34,6 +34,7 @@ import pytest
 
 from tests.test_vllm_engine import (
     NEW_TOKENS,
+    REPO,
     TRITON_NEW_TOKENS,
     EngineRun,
     _assert_same_generation,
@@ -324,6 +325,10 @@ def _said_under_dcp(log: str, backend: str) -> list[str]:
 
 
 def _assert_decoded_on_both_dcp_ranks(run: EngineRun, backend: str, min_calls: int) -> None:
+    assert REPO not in Path(run.result["rocm_mla"]).resolve().parents, (
+        f"the engine imported rocm_mla from the checkout ({run.result['rocm_mla']}), not the "
+        "installed package"
+    )
     calls = run.decode_calls(backend)
     assert len(calls) == TP, f"forward_mqa ran in {len(calls)} processes, expected {TP}: {calls}"
     assert run.result["pid"] not in calls, "decode ran in the driver, not in the workers"

@@ -249,7 +249,7 @@ def _engine(
     vLLM's own CPU_MLA decodes (the plugin then registers only CUSTOM); ``unset`` names
     variables removed from the child's environment, ``env`` variables set in it (a
     ``PYTHONPATH`` there names a test harness directory, see ``tests/vllm_cpu_cp``).
-    ``expect_failure``: the run must exit non-zero; its output is then ``result["output"]``."""
+    ``expect_failure``: the run must exit non-zero (its result is then empty)."""
     run_dir = tmp_path / name
     log_dir = run_dir / "calls"
     log_dir.mkdir(parents=True)
@@ -287,7 +287,7 @@ def _engine(
     if expect_failure:
         if proc.returncode == 0:
             pytest.fail(f"engine run {name!r} started and finished, expected a refusal")
-        return EngineRun({"output": output}, calls, output, log_dir)
+        return EngineRun({}, calls, output, log_dir)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(
             f"engine run {name!r} exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n"
@@ -465,7 +465,7 @@ def test_named_backend_that_cannot_run_stops_start_up(engine_model, tmp_path):
         unset=("TRITON_INTERPRET",),
         expect_failure=True,
     )
-    output = run.result["output"]
+    output = run.output
     assert "ROCM_MLA_BACKEND=triton cannot run on this machine: no GPU Triton target" in output
     assert "Backends that can: torch" in output
     assert "Engine core initialization failed" in output, "refused after start-up"
