@@ -494,9 +494,6 @@ def _decode_windows(run: EngineRun) -> list[list[int]]:
     return steps
 
 
-@pytest.mark.skip(
-    reason="needs the builder's decode_windows call-log line (issue 40, item 2); enable with it"
-)
 def test_mixed_window_lengths_decode_in_one_step(spec_dcp1, spec_dcp2):
     """n-gram drafts vary per request (no match, a short one, a full one): some steps decode
     windows of different lengths together through our impl, at DCP=1 and at DCP=2."""
