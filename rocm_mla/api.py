@@ -22,6 +22,7 @@ tensor for the caller to read at its own sync (``raise_on_fault`` -> ``KVBoundsE
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -78,6 +79,7 @@ def plan_decode(
     kv_cache: torch.Tensor | None = None,
     graph_max_seqlen: int | None = None,
     backend: str | None = None,
+    return_lse: bool = True,
 ) -> DecodePlan:
     """Plan one decode step: made once, passed as ``plan=`` to every MLA layer's decode.
 
@@ -105,6 +107,9 @@ def plan_decode(
             ``cache_seqlens`` (only its length ``B`` is used), for a decode captured once in a
             CUDA/HIP graph and replayed on later steps.
         backend: as ``mla_decode``.
+        return_lse: False when the step's calls do not read the LSE (no DCP combine, no
+            ``merge_states``): they then return ``(out, None)``, and a backend that cannot
+            produce an LSE (an AITER release without one) may serve them.
 
     Returns:
         A ``DecodePlan`` valid for calls with these shapes and dtypes whose lengths lie in
@@ -121,6 +126,8 @@ def plan_decode(
     for name, value in (("head_dim_v", head_dim_v), ("rope_dim", rope_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"plan_decode: {name} must be an int >= 0, got {value!r}")
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"plan_decode: return_lse must be True or False, got {return_lse!r}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(
             f"plan_decode: kv_dtype must be float32, float16, bfloat16 or fp8 "
@@ -195,6 +202,7 @@ def plan_decode(
         head_dim_v=head_dim_v,
         causal=bool(causal),
         block_size=None if kv_cache is None else kv_cache.shape[1],
+        lse=return_lse,
     )
     impl_cls = select_backend(backend, spec)
     return impl_cls.make_plan(
@@ -344,7 +352,8 @@ def mla_decode(
     backend: str | None = None,
     plan: DecodePlan | None = None,
     fault_flag: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed-MLA decode attention over a paged latent KV cache (FlashMLA-shaped).
 
     Args:
@@ -382,13 +391,17 @@ def mla_decode(
             a flag is given, such a key is never read and the rows that may see it come out
             NaN (out and lse); other rows are exact. A one-shot call checks the values first
             and raises instead.
+        return_lse: False when the caller does not read the LSE: the call returns
+            ``(out, None)``, and a backend that has no LSE (an AITER release without one) may
+            serve it. Ignored with ``plan`` (``plan_decode``'s ``return_lse`` holds).
 
     Returns:
         ``(out, lse)``: ``out [B, S_q, H, head_dim_v]`` in q's dtype; ``lse [B, S_q, H]``
         float32, natural log of the softmax denominator (scores already scaled). A row with
         no visible key has ``out = 0`` and ``lse = -inf``. A NaN or Inf in an input a row
         sees (q, a visible cache row, an overflowing scale) gives that row out NaN and lse
-        NaN, never a silent zero.
+        NaN, never a silent zero. ``lse`` is None without ``return_lse`` (the plan's, for
+        a planned call).
 
     Raises:
         ValueError: a malformed argument (which one, what was expected, what came), an
@@ -413,6 +426,10 @@ def mla_decode(
         check_values=plan is None,
         fault_flag=fault_flag,
     )
+    if plan is None:
+        if not isinstance(return_lse, bool):
+            raise ValueError(f"mla_decode: return_lse must be True or False, got {return_lse!r}")
+        problem = dataclasses.replace(problem, lse=return_lse)
     impl_cls = select_backend(backend, problem) if plan is None else backend_class(plan.backend)
     impl = impl_cls(
         num_heads=problem.num_heads,

@@ -102,6 +102,10 @@ class DecodeSpec:
     block_size: int | None = None  #: None: not known yet (checked at the call)
     #: whether the paged cache has a page-size-1 view without a copy (None: not known yet)
     kv_pages_even: bool | None = None
+    #: whether the caller reads the LSE (DCP's combine, ``merge_states``); with False
+    #: (``return_lse=False`` of ``plan_decode`` / ``mla_decode``) the call returns ``lse``
+    #: None, and a backend that has no LSE (an AITER release without one) may serve it.
+    lse: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device))
@@ -153,6 +157,8 @@ class DecodeProblem:
     #: ``(min, max, sum)`` of ``cache_seqlens`` as the value checks read them (a one-shot
     #: call plans from it without reading again); None when they did not run
     seqlen_range: tuple[int, int, int] | None = None
+    #: whether the caller reads the LSE (``DecodeSpec.lse``)
+    lse: bool = True
 
     @property
     def batch(self) -> int:
@@ -195,6 +201,7 @@ class DecodeProblem:
             causal=self.causal,
             block_size=self.block_size,
             kv_pages_even=even,
+            lse=self.lse,
         )
 
 
