@@ -19,6 +19,7 @@ from rocm_mla.backends import (
     backend_class,
     requested_backend,
 )
+from rocm_mla.backends.aiter import installed_report
 from rocm_mla.integrations.vllm.report import example_decode_line
 from rocm_mla.kernels.target import SUPPORTED_TRITON
 from rocm_mla.platform import current_platform, package_version, torch_build
@@ -57,7 +58,10 @@ def info_dict() -> dict:
         },
         "triton": package_version("triton") or package_version("pytorch-triton-rocm"),
         "triton_supported": str(SUPPORTED_TRITON),
-        "aiter": package_version("amd-aiter") or package_version("aiter"),
+        "aiter": {
+            "version": package_version("amd-aiter") or package_version("aiter"),
+            **installed_report(),
+        },
         "backends": backends,
         "selected": requested_backend(),
         "decode": example_decode_line(torch.device("cpu" if plat.kind == "cpu" else "cuda")),
@@ -82,7 +86,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     build = t["build"] + (f" {t['hip'] or t['cuda']}" if t["build"] != "cpu" else "")
     print(f"torch:    {t['version']} ({build})")
     print(f"triton:   {info['triton'] or 'not installed'} (supported: {info['triton_supported']})")
-    print(f"aiter:    {info['aiter'] or 'not installed'}")
+    aiter = info["aiter"]
+    print(f"aiter:    {aiter['version'] or 'not installed'}")
+    if aiter["features"] is not None:
+        has = [name for name, present in aiter["features"].items() if present]
+        lacks = [name for name, present in aiter["features"].items() if not present]
+        print(f"          {aiter['summary']}")
+        print(f"          has: {', '.join(has) or 'none'}; lacks: {', '.join(lacks) or 'none'}")
     print("backends:")
     for name, b in info["backends"].items():
         if b["available"]:

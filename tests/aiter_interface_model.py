@@ -61,6 +61,8 @@ from __future__ import annotations
 import ast
 import inspect
 import math
+import os
+import subprocess
 import sys
 import types
 import zipfile
@@ -165,6 +167,57 @@ CURRENT = ReleaseInterface(
     ),
     reduce_parameters=("Mid_O", "Mid_lse", "O", "Final_lse", "qo_indptr", "kv_indptr"),
 )
+
+
+#: v0.1.12 and v0.1.16 (ROCm/aiter tags): ``CURRENT``'s first 25 parameters, up to
+#: ``return_lse``; 0.1.12's reduce writes no LSE, 0.1.16's does (aiter#2729) but its
+#: ``return_lse=True`` fails the kernel lookup (fixed by aiter#4308 in 0.1.19).
+_REDUCE_WITHOUT_LSE = ("Mid_O", "Mid_lse", "O", "qo_indptr", "kv_indptr")
+V0_1_12 = ReleaseInterface("0.1.12", CURRENT.parameters[:25], _REDUCE_WITHOUT_LSE)
+V0_1_16 = ReleaseInterface("0.1.16", CURRENT.parameters[:25], CURRENT.reduce_parameters)
+
+#: The only amd-aiter on PyPI (2025-11): a pure-Python wheel whose interface
+#: ``pypi_release`` reads.
+PYPI_VERSION = "0.1.7.post2.dev18"
+
+
+def pypi_wheel(version: str = PYPI_VERSION) -> Path:
+    """The amd-aiter ``version`` wheel, downloaded once (``pip download --no-deps``, about
+    40 MB) into ``${XDG_CACHE_HOME:-~/.cache}/rocm-mla/amd-aiter-<version>``, outside the
+    clone, as ``make compile-check`` caches Triton. Raises with pip's own words when it
+    cannot be had."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "rocm-mla"
+    folder = cache / f"amd-aiter-{version}"
+    pattern = f"amd_aiter-{version}-*.whl"
+    if not any(folder.glob(pattern)):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--dest",
+                str(folder),
+                f"amd-aiter=={version}",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"could not download amd-aiter=={version} into {folder} (pip exit "
+                f"{done.returncode}: {done.stderr.strip()[-2000:]}); put the wheel there by "
+                "hand to run these tests offline"
+            )
+    return next(iter(sorted(folder.glob(pattern))))
+
+
+def pypi_release() -> ReleaseInterface:
+    """amd-aiter ``PYPI_VERSION``'s interface, read from its wheel."""
+    return read_release(pypi_wheel())
 
 
 def _function_parameters(tree: ast.Module, name: str) -> tuple[tuple[str, object], ...]:

@@ -313,6 +313,19 @@ def _gpu_arch() -> str | None:
     return current.arch if current.kind == "hip" else None
 
 
+def installed_report() -> dict[str, object]:
+    """The AITER release this backend would call, for ``rocm-mla info``: its ``summary`` and
+    ``features`` where it imports (a ROCm torch on gfx942/gfx950), else both None."""
+    if (
+        _torch_build() != "rocm"
+        or _gpu_arch() not in SUPPORTED_ARCHS
+        or _import_failure(_aiter_mla) is not None
+    ):
+        return {"summary": None, "features": None}
+    release = installed_release(_aiter_mla)
+    return {"summary": release.summary(), "features": release.features()}
+
+
 def kernel_heads(num_heads: int) -> int:
     """The head count the kernel runs for ``num_heads`` query heads (they are padded to it)."""
     for heads in KERNEL_HEADS:
