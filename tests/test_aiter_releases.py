@@ -283,3 +283,24 @@ def test_an_unknown_interface_makes_the_backend_unavailable_by_name(monkeypatch)
     q, kv, bt, lens, _ = case("bf16", 16, 1)
     with pytest.raises(ValueError, match=re.escape("amd-aiter 0.2.0")):
         rocm_mla.mla_decode(q, kv, bt, lens, backend="aiter")
+
+
+def test_the_engine_asks_for_the_lse_only_under_dcp(monkeypatch, pypi_release):
+    """The runner's single-rank step reads only the output, so the PyPI release serves it;
+    a DCP step combines by LSE, so it goes to another backend."""
+    from rocm_mla.dcp.layout import plan_step_decode
+
+    pretend_mi300x(monkeypatch, pypi_release)
+    step = dict(
+        num_heads=16,
+        head_dim_v=512,
+        rope_dim=64,
+        kv_dtype=torch.bfloat16,
+        q_dtype=torch.bfloat16,
+        device="cpu",
+    )
+    lens = torch.tensor([40, 7], dtype=torch.int32)
+    single = plan_step_decode(lens, 1, **step)
+    assert (single.backend, single.spec.lse) == ("aiter", False)
+    shared = plan_step_decode(lens, 1, dcp_world_size=2, dcp_rank=1, **step)
+    assert shared.spec.lse and shared.backend != "aiter"
