@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import re
 
 import pytest
@@ -304,3 +305,21 @@ def test_the_engine_asks_for_the_lse_only_under_dcp(monkeypatch, pypi_release):
     assert (single.backend, single.spec.lse) == ("aiter", False)
     shared = plan_step_decode(lens, 1, dcp_world_size=2, dcp_rank=1, **step)
     assert shared.spec.lse and shared.backend != "aiter"
+
+
+def test_info_require_aiter_fails_naming_the_release_and_shape(monkeypatch, capsys, request):
+    """The docker smoke step: `rocm-mla info --require-aiter` exits 1 for a shape the
+    installed AITER would refuse, naming the shape and the release's reason."""
+    pretend_mi300x(monkeypatch, request.getfixturevalue("pypi_release"))
+    assert main(["info", "--require-aiter", "bf16:16:1,fp8:128:4"]) == 0
+    assert "aiter fp8:128:4: serves it" in capsys.readouterr().out
+    assert main(["info", "--require-aiter", "bf16:128:1,bf16:128:1:lse"]) == 1
+    captured = capsys.readouterr()
+    assert "aiter bf16:128:1: serves it" in captured.out
+    assert (
+        "aiter bf16:128:1:lse: refuses it: the call needs the LSE (DCP, merge_states) and "
+        "amd-aiter 0.1.7.post2.dev18 returns none"
+    ) in captured.out
+    assert "would refuse bf16:128:1:lse (--require-aiter)" in captured.err
+    assert main(["info", "--json", "--require-aiter", "bf16:16:2"]) == 0
+    assert json.loads(capsys.readouterr().out)["require_aiter"] == {"bf16:16:2": []}
