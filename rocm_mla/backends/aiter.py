@@ -159,12 +159,16 @@ class AiterRelease:
     def lse_reason(self, spec: DecodeSpec) -> str | None:
         """Why this release cannot return a correct LSE for ``spec``, or None."""
         if not (self.return_lse and self.reduce_writes_lse):
-            missing = "no return_lse keyword" if not self.return_lse else "return_lse"
+            keyword = (
+                "its return_lse changes only the persistent path"
+                if self.return_lse
+                else "it has no return_lse keyword"
+            )
             return (
                 f"the call needs the LSE (DCP, merge_states) and {self.name} returns none "
-                f"from its non-persistent decode ({missing}, and its split reduce writes no "
-                f"LSE: aiter#1420); amd-aiter {_dotted(LSE_RELEASE)} or newer returns it for "
-                "bf16 with at most 16 heads and q_len 1"
+                f"from its non-persistent decode ({keyword}, and its split reduce writes "
+                f"none: aiter#1420); amd-aiter {_dotted(LSE_RELEASE)} or newer returns it "
+                "for bf16 caches"
             )
         if not self.lse_lookup_fixed:
             return (
