@@ -33,6 +33,7 @@ from rocm_mla.inputs import (
     FAULT_BEYOND_TABLE,
     FAULT_BLOCK_ID,
     FAULT_NEGATIVE_LENGTH,
+    FAULT_ROW_BOUND,
     FP8_DTYPES,
     KV_DTYPES,
     Q_DTYPES,
@@ -52,6 +53,7 @@ __all__ = [
     "FAULT_BEYOND_TABLE",
     "FAULT_BLOCK_ID",
     "FAULT_NEGATIVE_LENGTH",
+    "FAULT_ROW_BOUND",
     "DecodePlan",
     "KVBoundsError",
     "available_backends",
@@ -80,6 +82,8 @@ def plan_decode(
     graph_max_seqlen: int | None = None,
     backend: str | None = None,
     return_lse: bool = True,
+    varlen: bool = False,
+    row_bounds: bool = False,
 ) -> DecodePlan:
     """Plan one decode step: made once, passed as ``plan=`` to every MLA layer's decode.
 
@@ -92,7 +96,8 @@ def plan_decode(
     Args:
         cache_seqlens: ``[B]`` tokens in the cache per request, the ``S_q`` new ones included
             (as ``mla_decode``); a list of ints or an int tensor on any device.
-        q_len: ``S_q``, queries per request. num_heads: query heads the kernel sees.
+        q_len: ``S_q``, queries per request (with ``varlen``, the longest window a call of
+            this plan may bring). num_heads: query heads the kernel sees.
         head_dim_v, rope_dim: V width (512) and rope width (64); ``D`` is their sum.
         kv_dtype: the cache's dtype (fp8 e4m3fn/e4m3fnuz included).
         q_dtype: q's dtype; None means ``kv_dtype`` for a 16/32-bit cache, bfloat16 for fp8.
@@ -110,6 +115,10 @@ def plan_decode(
         return_lse: False when the step's calls do not read the LSE (no DCP combine, no
             ``merge_states``): they then return ``(out, None)``, and a backend that cannot
             produce an LSE (an AITER release without one) may serve them.
+        varlen: the calls pack windows of different lengths (``mla_decode``'s
+            ``query_start_loc``).
+        row_bounds: the calls give every query row's KV bound (``mla_decode``'s
+            ``row_seqlens``).
 
     Returns:
         A ``DecodePlan`` valid for calls with these shapes and dtypes whose lengths lie in
@@ -123,6 +132,9 @@ def plan_decode(
     for name, value, low in (("q_len", q_len, 1), ("num_heads", num_heads, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"plan_decode: {name} must be an int >= {low}, got {value!r}")
+    for name, value in (("varlen", varlen), ("row_bounds", row_bounds)):
+        if not isinstance(value, bool):
+            raise ValueError(f"plan_decode: {name} must be a bool, got {value!r}")
     for name, value in (("head_dim_v", head_dim_v), ("rope_dim", rope_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"plan_decode: {name} must be an int >= 0, got {value!r}")
@@ -203,6 +215,8 @@ def plan_decode(
         causal=bool(causal),
         block_size=None if kv_cache is None else kv_cache.shape[1],
         lse=return_lse,
+        varlen=varlen,
+        row_bounds=row_bounds,
     )
     impl_cls = select_backend(backend, spec)
     return impl_cls.make_plan(
@@ -352,6 +366,9 @@ def mla_decode(
     backend: str | None = None,
     plan: DecodePlan | None = None,
     fault_flag: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+    row_seqlens: torch.Tensor | None = None,
     return_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed-MLA decode attention over a paged latent KV cache (FlashMLA-shaped).
@@ -359,7 +376,8 @@ def mla_decode(
     Args:
         q: ``[B, S_q, H, D]`` float32/float16/bfloat16. Per head, the absorbed query
             (``q_nope @ W_UK`` in the first ``head_dim_v`` columns, ``q_pe`` after). ``S_q``
-            > 1 is a causal verify window (speculative decoding).
+            > 1 is a causal verify window (speculative decoding). With ``query_start_loc``,
+            windows of different lengths packed as ``[T, H, D]``.
         kv_cache: ``[num_blocks, block_size, D]`` or ``[num_blocks, block_size, 1, D]``;
             float32/float16/bfloat16, or fp8 (e4m3fn / e4m3fnuz) with ``kv_scale``.
         block_table: ``[B, max_blocks]`` int32; entry ``j`` of request ``b`` is the cache
@@ -369,8 +387,9 @@ def mla_decode(
             included; ``0 <= cache_seqlens <= max_blocks * block_size``.
         head_dim_v: V width (kv_lora_rank, 512); ``D - head_dim_v`` is the rope width.
         softmax_scale: defaults to ``D ** -0.5``.
-        causal: query ``i`` of ``S_q`` sees keys ``[0, cache_seqlens - S_q + i]``; when
-            False every query sees all ``cache_seqlens`` keys.
+        causal: query ``i`` of a window of ``S_q`` sees keys ``[0, cache_seqlens - S_q + i]``;
+            when False every query sees all ``cache_seqlens`` keys. With ``row_seqlens`` the
+            rows' bounds are given, and causal says they must not decrease along a window.
         kv_scale: per-tensor dequant scale of an fp8 cache (required for fp8, else None; a
             Python float with ``plan``).
         backend: "auto", "aiter", "triton" or "torch"; None reads ``$ROCM_MLA_BACKEND``
@@ -390,14 +409,30 @@ def mla_decode(
             anyway (``raise_on_fault(flag, where)`` raises ``KVBoundsError``). Whether or not
             a flag is given, such a key is never read and the rows that may see it come out
             NaN (out and lse); other rows are exact. A one-shot call checks the values first
-            and raises instead.
+            and raises instead. ``FAULT_ROW_BOUND``: a ``row_seqlens`` entry outside
+            ``[0, cache_seqlens]`` of its request (that row is NaN).
+        query_start_loc: ``[B + 1]`` int32 on q's device, or None. Windows of different
+            lengths (n-gram / MTP / draft verification, as vLLM and FlashInfer pack them):
+            ``q [T, H, D]`` holds window ``b`` in rows ``[qsl[b], qsl[b + 1])``, each of 1 to
+            ``max_q_len`` rows, ``qsl[0] = 0`` and ``qsl[B] = T``; out and lse come packed
+            the same way. Every row of a window shares each KV tile the kernel loads.
+        max_q_len: the longest window with ``query_start_loc`` (a host int; with ``plan``
+            it defaults to the plan's ``q_len``).
+        row_seqlens: int32 on q's device, ``[B, S_q]`` (``[T]`` with ``query_start_loc``),
+            or None: the KV bound of every query row, the keys ``[0, row_seqlens)`` of its
+            request's cache it sees, each in ``[0, cache_seqlens]``. Decode context
+            parallelism needs it: row ``i`` of a causal window sees global positions up to
+            ``L - S_q + i``, of which this rank holds a count that is not ``local(L) - S_q +
+            1 + i`` (``rocm_mla.dcp.verify_local_seq_lens``). All rows of a window still
+            share each KV tile load and mask by their own bound.
         return_lse: False when the caller does not read the LSE: the call returns
             ``(out, None)``, and a backend that has no LSE (an AITER release without one) may
             serve it. Ignored with ``plan`` (``plan_decode``'s ``return_lse`` holds).
 
     Returns:
         ``(out, lse)``: ``out [B, S_q, H, head_dim_v]`` in q's dtype; ``lse [B, S_q, H]``
-        float32, natural log of the softmax denominator (scores already scaled). A row with
+        float32 (``[T, H, head_dim_v]`` and ``[T, H]`` with ``query_start_loc``), natural
+        log of the softmax denominator (scores already scaled). A row with
         no visible key has ``out = 0`` and ``lse = -inf``. A NaN or Inf in an input a row
         sees (q, a visible cache row, an overflowing scale) gives that row out NaN and lse
         NaN, never a silent zero. ``lse`` is None without ``return_lse`` (the plan's, for
@@ -414,6 +449,8 @@ def mla_decode(
             "mla_decode: plan must be a DecodePlan from rocm_mla.plan_decode, got "
             f"{type(plan).__name__}"
         )
+    if query_start_loc is not None and max_q_len is None and plan is not None:
+        max_q_len = plan.spec.q_len
     problem = prepare_decode(
         q,
         kv_cache,
@@ -425,6 +462,9 @@ def mla_decode(
         kv_scale=kv_scale,
         check_values=plan is None,
         fault_flag=fault_flag,
+        query_start_loc=query_start_loc,
+        max_q_len=max_q_len,
+        row_seqlens=row_seqlens,
     )
     if plan is None:
         if not isinstance(return_lse, bool):

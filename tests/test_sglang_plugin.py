@@ -140,12 +140,15 @@ def test_unknown_backend_name_is_refused_at_build(registered, monkeypatch):
 
 
 def test_decode_context_parallelism_is_refused(registered, monkeypatch):
+    """DCP over the kit's runner, whose allocator pages are not SGLang's DCP ones (widened by
+    the DCP size), is refused at start-up (tests/test_sglang_dcp.py serves SGLang's layout)."""
     from sglang.srt.runtime_context import get_parallel
 
     monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
     case = mla_case("rocm_mla", "DECODE", heads=16, page=16, prefix=(7,))
     dcp = get_parallel().override(attn_dcp_size=2, attn_dcp_rank=0)
-    with dcp, pytest.raises(RuntimeError, match=r"decode context parallelism \(dcp 2\)"):
+    refused = r"decode context parallelism \(dcp 2\) in a layout rocm_mla cannot read: the alloc"
+    with dcp, pytest.raises(RuntimeError, match=refused):
         run_fixture(case)
 
 

@@ -351,6 +351,7 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
                   BLOCK_W=min(config.block_n, 32 if kv_dtype == fp8 else 16),
                   BLOCK_DV=512 // config.dv_chunks, DV_CHUNKS=config.dv_chunks, BLOCK_DR=64,
                   NUM_XCDS=config.num_xcds, HAS_FAULT_FLAG=True, PREFETCH_IDS=config.prefetch_ids,
+                  VARLEN=False, ROW_BOUNDS=False,
                   NO_OP_GUARD=mda.no_op_guard(here, causal=True, q_len=1),
                   **{k: v for k, v in dot_types.items() if k != "FP8_MAX"})
     # With fp8 Q K^T stage 1 reads q quantized per row (quantize_q).
@@ -358,6 +359,7 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
     pointers = {"q_ptr": "*" + tl_name[q_type], "q_scale_ptr": "*fp32",
                 "kv_ptr": "*" + tl_name[kv_dtype],
                 "block_table_ptr": "*i32", "seqlens_ptr": "*i32", "launch_order_ptr": "*i32",
+                "query_start_ptr": "*i32", "row_seqlens_ptr": "*i32",
                 "segments_ptr": "*i32", "out_ptr": "*" + tl_name[q_dtype], "lse_ptr": "*fp32",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "fault_ptr": "*i32"}
     missing = [n for n in mdk._mla_decode_stage1.arg_names
@@ -379,9 +381,11 @@ merge = build(ms._merge_states_kernel, pointers, consts, target, ms.merge_launch
 print(json.dumps({"kernel": "merge", **merge}))
 # Stage 2 of the balanced schedule, for every row-group size stage 1 compiled above.
 for block_h in sorted({config.block_h for config, _, _ in kernels}):
-    consts = dict(GROUP_ROWS=block_h, HEAD_DIM_V=512, **ms._merge_blocks(here, 128, block_h, 512))
+    consts = dict(GROUP_ROWS=block_h, HEAD_DIM_V=512, VARLEN=False,
+                  **ms._merge_blocks(here, 128, block_h, 512))
     pointers = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "unit_parts_ptr": "*i32",
-                "split_units_ptr": "*i32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
+                "split_units_ptr": "*i32", "query_start_ptr": "*i32", "out_ptr": "*bf16",
+                "out_lse_ptr": "*fp32"}
     pieces = build(ms._merge_pieces_kernel, pointers, consts, target,
                    ms.merge_launch_options(here))
     print(json.dumps({"kernel": "merge_pieces", "group_rows": block_h, **pieces}))

@@ -248,9 +248,10 @@ def plan_step_decode(
 
     ``seq_lens`` ``[B]`` are the global lengths on the host (the runner's own numbers), so
     planning reads nothing from the device. Without DCP the plan is for ``B`` requests of
-    ``q_len`` causal queries. With DCP it is for the call ``dcp_mla_decode`` makes: the window
-    folded into ``B * q_len`` single-query, non-causal requests whose lengths are this rank's
-    local lengths (``verify_local_seq_lens``), over ``num_heads`` gathered heads.
+    ``q_len`` causal queries. With DCP it is for the call ``dcp_mla_decode`` makes: ``B``
+    windows of ``q_len`` rows over this rank's shard, each row with its own local bound
+    (``verify_local_seq_lens``, ``row_bounds``), each request as long as its last row's, over
+    ``num_heads`` gathered heads.
     """
     if seq_lens.device.type != "cpu":
         raise ValueError(
@@ -270,4 +271,4 @@ def plan_step_decode(
         # The layer reads only the output; an AITER release without an LSE may serve it.
         return plan_decode(seq_lens, q_len=q_len, causal=True, return_lse=False, **common)
     local = verify_local_seq_lens(seq_lens, q_len, dcp_world_size, dcp_rank, dcp_interleave)
-    return plan_decode(local.reshape(-1), q_len=1, causal=False, **common)
+    return plan_decode(local[:, -1], q_len=q_len, causal=True, row_bounds=True, **common)

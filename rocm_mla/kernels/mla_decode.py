@@ -73,6 +73,9 @@ def mla_decode(
     schedule: ScheduleTables | None = None,
     num_slots: int | None = None,
     fault_flag: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+    row_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Balanced split-KV MLA decode over shape-checked inputs (``rocm_mla.inputs.prepare_decode``).
 
@@ -99,15 +102,22 @@ def mla_decode(
             takes ``plan_launch``'s (compute units x the compiled kernel's programs per CU).
             The call never transfers from the device to the host.
         fault_flag: int32 ``[1]`` on q's device, or None: the kernel ORs
-            ``rocm_mla.inputs.FAULT_BLOCK_ID`` / ``FAULT_BEYOND_TABLE`` into it on the device
-            (no sync) when a row may see such a key; it never clears it.
+            ``rocm_mla.inputs.FAULT_BLOCK_ID`` / ``FAULT_BEYOND_TABLE`` (and with
+            ``row_seqlens`` ``FAULT_ROW_BOUND``) into it on the device (no sync) when a row
+            may see such a key; it never clears it.
+        query_start_loc: ``[B + 1]`` int32, or None: windows of different lengths packed,
+            ``q [T, H, D]``, the longest ``max_q_len`` rows (as ``rocm_mla.mla_decode``).
+        row_seqlens: ``[T]`` int32 contiguous, or None: each query row's KV bound.
 
     Returns:
-        ``(out [B, S_q, H, Dv] in q's dtype, lse [B, S_q, H] float32)``; rows with no visible
-        key get out 0 and lse -inf; rows that see a NaN/infinite score or a key that cannot
-        be read get out and lse NaN.
+        ``(out [B, S_q, H, Dv] in q's dtype, lse [B, S_q, H] float32)`` (``[T, H, Dv]`` and
+        ``[T, H]`` for packed windows); rows with no visible key get out 0 and lse -inf;
+        rows that see a NaN/infinite score or a key that cannot be read get out and lse NaN.
     """
-    batch, q_len, num_heads, _ = q.shape
+    if query_start_loc is None:
+        batch, q_len, num_heads, _ = q.shape
+    else:
+        batch, q_len, num_heads = query_start_loc.shape[0] - 1, max_q_len, q.shape[1]
     if kv_cache.shape[0] < 1:
         # The kernel redirects bad block ids to the last block: there must be one.
         raise ValueError(
@@ -150,7 +160,7 @@ def mla_decode(
             target=target,
             config=config,
             q_dtype=q.dtype,
-            head_dim=q.shape[3],
+            head_dim=q.shape[-1],
             head_dim_v=head_dim_v,
             page_size=kv_cache.shape[1],
             cache_bytes=kv_cache.numel() * kv_cache.element_size(),
@@ -177,8 +187,9 @@ def mla_decode(
             f"{batch} requests x {num_groups} groups of {config.block_h} rows on {q.device}"
         )
 
-    out = torch.empty(batch, q_len, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
+    rows_shape = (batch, q_len, num_heads) if query_start_loc is None else q.shape[:2]
+    out = torch.empty(*rows_shape, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(rows_shape, dtype=torch.float32, device=q.device)
     partials = (
         partial_capacity(schedule.num_slots)
         if schedule.num_partials is None
@@ -208,6 +219,9 @@ def mla_decode(
         config=config,
         target=target,
         dot_types=dot_types,
+        query_start_loc=query_start_loc,
+        max_q_len=max_q_len,
+        row_seqlens=row_seqlens,
     )
     # A host-made schedule knows its programs: a small step launches that few.
     if schedule.num_programs is not None:
@@ -219,9 +233,10 @@ def mla_decode(
             part_lse,
             schedule.unit_parts,
             schedule.split_units,
-            out.view(batch, rows, head_dim_v),
-            lse.view(batch, rows),
+            out.view(batch, rows, head_dim_v) if query_start_loc is None else out,
+            lse.view(batch, rows) if query_start_loc is None else lse,
             num_groups=num_groups,
             target=target,
+            query_start_loc=query_start_loc,
         )
     return out, lse

@@ -79,7 +79,9 @@ def _named_factory(runner):
 
     factory = ATTENTION_BACKENDS[prefill_name]
     prefill = getattr(factory, "rocm_mla_original", factory)(runner)
-    return RocmMLAAttnBackend(runner, prefill_backend=prefill, prefill_name=prefill_name)
+    return RocmMLAAttnBackend(
+        runner, name=BACKEND_NAME, prefill_backend=prefill, prefill_name=prefill_name
+    )
 
 
 def _drop_in_factory(name: str, original):
@@ -92,7 +94,7 @@ def _drop_in_factory(name: str, original):
             return prefill
         from rocm_mla.integrations.sglang.backend import RocmMLAAttnBackend
 
-        return RocmMLAAttnBackend(runner, prefill_backend=prefill, prefill_name=name)
+        return RocmMLAAttnBackend(runner, name=name, prefill_backend=prefill, prefill_name=name)
 
     factory.rocm_mla_original = original
     return factory
