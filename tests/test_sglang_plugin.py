@@ -171,7 +171,7 @@ def test_one_line_says_what_decodes(registered, monkeypatch, caplog):
 def _untested(monkeypatch, plugin):
     from rocm_mla.integrations.common import SGLANG, ReleasesTested
 
-    untested = ReleasesTested("SGLang", SGLANG.distributions, (9, 0, 0), (9, 0))
+    untested = ReleasesTested("SGLang", SGLANG.package, (9, 0, 0), (9, 0))
     monkeypatch.setattr(plugin, "SGLANG", untested)
 
 

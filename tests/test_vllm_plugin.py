@@ -444,7 +444,7 @@ def _untested(monkeypatch, plugin):
     """This vLLM treated as a release outside the tested range."""
     from rocm_mla.integrations.common import VLLM, ReleasesTested
 
-    untested = ReleasesTested("vLLM", VLLM.distributions, (9, 0, 0), (9, 0))
+    untested = ReleasesTested("vLLM", VLLM.package, (9, 0, 0), (9, 0))
     monkeypatch.setattr(plugin, "VLLM", untested)
 
 

