@@ -22,6 +22,7 @@ tensor for the caller to read at its own sync (``raise_on_fault`` -> ``KVBoundsE
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -80,6 +81,7 @@ def plan_decode(
     kv_cache: torch.Tensor | None = None,
     graph_max_seqlen: int | None = None,
     backend: str | None = None,
+    return_lse: bool = True,
     varlen: bool = False,
     row_bounds: bool = False,
 ) -> DecodePlan:
@@ -110,6 +112,9 @@ def plan_decode(
             ``cache_seqlens`` (only its length ``B`` is used), for a decode captured once in a
             CUDA/HIP graph and replayed on later steps.
         backend: as ``mla_decode``.
+        return_lse: False when the step's calls do not read the LSE (no DCP combine, no
+            ``merge_states``): they then return ``(out, None)``, and a backend that cannot
+            produce an LSE (an AITER release without one) may serve them.
         varlen: the calls pack windows of different lengths (``mla_decode``'s
             ``query_start_loc``).
         row_bounds: the calls give every query row's KV bound (``mla_decode``'s
@@ -133,6 +138,8 @@ def plan_decode(
     for name, value in (("head_dim_v", head_dim_v), ("rope_dim", rope_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"plan_decode: {name} must be an int >= 0, got {value!r}")
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"plan_decode: return_lse must be True or False, got {return_lse!r}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(
             f"plan_decode: kv_dtype must be float32, float16, bfloat16 or fp8 "
@@ -207,6 +214,7 @@ def plan_decode(
         head_dim_v=head_dim_v,
         causal=bool(causal),
         block_size=None if kv_cache is None else kv_cache.shape[1],
+        lse=return_lse,
         varlen=varlen,
         row_bounds=row_bounds,
     )
@@ -361,7 +369,8 @@ def mla_decode(
     query_start_loc: torch.Tensor | None = None,
     max_q_len: int | None = None,
     row_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed-MLA decode attention over a paged latent KV cache (FlashMLA-shaped).
 
     Args:
@@ -416,6 +425,9 @@ def mla_decode(
             ``L - S_q + i``, of which this rank holds a count that is not ``local(L) - S_q +
             1 + i`` (``rocm_mla.dcp.verify_local_seq_lens``). All rows of a window still
             share each KV tile load and mask by their own bound.
+        return_lse: False when the caller does not read the LSE: the call returns
+            ``(out, None)``, and a backend that has no LSE (an AITER release without one) may
+            serve it. Ignored with ``plan`` (``plan_decode``'s ``return_lse`` holds).
 
     Returns:
         ``(out, lse)``: ``out [B, S_q, H, head_dim_v]`` in q's dtype; ``lse [B, S_q, H]``
@@ -423,7 +435,8 @@ def mla_decode(
         log of the softmax denominator (scores already scaled). A row with
         no visible key has ``out = 0`` and ``lse = -inf``. A NaN or Inf in an input a row
         sees (q, a visible cache row, an overflowing scale) gives that row out NaN and lse
-        NaN, never a silent zero.
+        NaN, never a silent zero. ``lse`` is None without ``return_lse`` (the plan's, for
+        a planned call).
 
     Raises:
         ValueError: a malformed argument (which one, what was expected, what came), an
@@ -453,6 +466,10 @@ def mla_decode(
         max_q_len=max_q_len,
         row_seqlens=row_seqlens,
     )
+    if plan is None:
+        if not isinstance(return_lse, bool):
+            raise ValueError(f"mla_decode: return_lse must be True or False, got {return_lse!r}")
+        problem = dataclasses.replace(problem, lse=return_lse)
     impl_cls = select_backend(backend, problem) if plan is None else backend_class(plan.backend)
     impl = impl_cls(
         num_heads=problem.num_heads,

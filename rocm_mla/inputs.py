@@ -106,6 +106,10 @@ class DecodeSpec:
     block_size: int | None = None  #: None: not known yet (checked at the call)
     #: whether the paged cache has a page-size-1 view without a copy (None: not known yet)
     kv_pages_even: bool | None = None
+    #: whether the caller reads the LSE (DCP's combine, ``merge_states``); with False
+    #: (``return_lse=False`` of ``plan_decode`` / ``mla_decode``) the call returns ``lse``
+    #: None, and a backend that has no LSE (an AITER release without one) may serve it.
+    lse: bool = True
     #: windows of different lengths: q packed ``[T, H, D]`` with ``query_start_loc``, and
     #: ``q_len`` the longest window
     varlen: bool = False
@@ -173,6 +177,8 @@ class DecodeProblem:
     #: ``(min, max, sum)`` of ``cache_seqlens`` as the value checks read them (a one-shot
     #: call plans from it without reading again); None when they did not run
     seqlen_range: tuple[int, int, int] | None = None
+    #: whether the caller reads the LSE (``DecodeSpec.lse``)
+    lse: bool = True
     #: [B + 1] int32 window starts in q's tokens (varlen), else None
     query_start_loc: torch.Tensor | None = None
     #: the longest window (varlen; uniform windows read it from q's shape)
@@ -232,6 +238,7 @@ class DecodeProblem:
             causal=self.causal,
             block_size=self.block_size,
             kv_pages_even=even,
+            lse=self.lse,
             varlen=self.varlen,
             row_bounds=self.row_seqlens is not None,
         )

@@ -234,7 +234,7 @@ class MLADecodeImpl:
         query_start_loc: torch.Tensor | None = None,
         max_q_len: int | None = None,
         row_seqlens: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode; shapes and semantics as ``rocm_mla.mla_decode`` (``plan=``,
         ``fault_flag=``, packed windows and per-row bounds included).
 
@@ -277,11 +277,12 @@ class MLADecodeImpl:
 
     def run(
         self, problem: DecodeProblem, plan: DecodePlan | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode an already validated problem; re-checks the CP pair first, every call.
 
         With ``plan`` the call must match it (shapes, dtypes, device, backend); nothing is
         read back from the device. Without, the problem is planned here (one host sync).
+        The LSE is None when the plan was made without one (``plan.spec.lse`` False).
         """
         check_cp(self.dcp_world_size, self.dcp_rank)
         if plan is None:
@@ -290,12 +291,14 @@ class MLADecodeImpl:
             check_plan_matches(plan, problem, self.name)
             if debug_checks_enabled():
                 check_lengths_within_plan(plan, problem)
-        return self._decode(problem, plan)
+        out, lse = self._decode(problem, plan)
+        return out, (lse if plan.spec.lse else None)
 
     def _decode(
         self, problem: DecodeProblem, plan: DecodePlan
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel itself. Subclasses implement this; it must read no tensor."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The kernel itself. Subclasses implement this; it must read no tensor. The LSE may
+        be None only for a plan without one (``plan.spec.lse`` False)."""
         raise NotImplementedError
 
 

@@ -203,6 +203,12 @@ def dcp_mla_decode(
     world, rank = _group_size_rank(group)
     batch, q_len = q_local.shape[:2]
     local = _check_metadata(metadata, batch, q_len, world, rank)
+    if plan is not None and not plan.spec.lse and (world > 1 or return_lse):
+        raise ValueError(
+            "dcp_mla_decode: the plan was made without the LSE (return_lse=False), which "
+            f"combining {world} ranks' partials{' and return_lse' if return_lse else ''} "
+            "need; plan the step with return_lse=True (plan_step_decode does for dcp > 1)"
+        )
 
     q = q_local if replicated_heads else gather_query_heads(q_local, group)
     block_table = metadata.block_table

@@ -281,6 +281,7 @@ def plan_step_decode(
         "backend": backend,
     }
     if dcp_world_size == 1:
-        return plan_decode(seq_lens, q_len=q_len, causal=True, **common)
+        # The layer reads only the output; an AITER release without an LSE may serve it.
+        return plan_decode(seq_lens, q_len=q_len, causal=True, return_lse=False, **common)
     local = verify_local_seq_lens(seq_lens, q_len, dcp_world_size, dcp_rank, dcp_interleave)
     return plan_decode(local[:, -1], q_len=q_len, causal=True, row_bounds=True, **common)
