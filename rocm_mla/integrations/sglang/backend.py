@@ -370,6 +370,8 @@ class RocmMLAAttnBackend(AttentionBackend):
             kv_dtype=self.kv_dtype,
             q_dtype=self.q_dtype,
             row_bounds=self.dcp_size > 1,
+            # Only SGLang's DCP merge reads the decode's LSE.
+            return_lse=self.dcp_size > 1,
             device=self.device,
             graph_max_seqlen=bound,
             backend=self.rocm_mla_backend,

@@ -364,6 +364,8 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             graph_max_seqlen=bound,
             varlen=key.packed,
             row_bounds=key.row_bounds,
+            # Only vLLM's DCP combine reads the decode's LSE.
+            return_lse=self.dcp_world_size > 1,
         )
 
 
@@ -744,6 +746,8 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
         Returns:
             ``(out [T, H, kv_lora_rank] in q's dtype, lse [T, H] float32)``, natural-log LSE;
             rows with no visible key give out 0 and lse -inf (empty DCP shards included).
+            Without DCP the step is planned without the LSE (nothing reads it) and lse is
+            None.
         """
         decode = attn_metadata.decode
         plan = getattr(decode, "plan", None)
@@ -796,7 +800,8 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
             row_seqlens=row_seqlens,
         )
         out, lse = decoder.run(problem, plan)
-        return out.reshape(rows, num_heads, self.kv_lora_rank), lse.reshape(rows, num_heads)
+        out = out.reshape(rows, num_heads, self.kv_lora_rank)
+        return out, None if lse is None else lse.reshape(rows, num_heads)
 
 
 __all__ = [
