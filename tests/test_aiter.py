@@ -369,3 +369,60 @@ def test_env_selects_aiter_here_and_fails_with_the_reason(monkeypatch):
 def test_auto_skips_aiter_for_an_unsupported_shape(rocm_machine, monkeypatch):
     monkeypatch.setenv("ROCM_MLA_BACKEND", "auto")
     assert select_backend(None, bf16_problem(q_len=3)) is not AiterMLAImpl
+
+
+# ---- windows of different lengths; per-row bounds ----------------------------------------
+
+
+def test_packed_windows_run_front_padded(interface_model):
+    """Windows of 1-4 rows in one call: each runs as the last rows of a 4-row window, where
+    AITER's causal alignment gives every row its own keys; equal to the torch backend."""
+    from tests.reference import dense_varlen_mla_decode
+
+    sizes, lengths = [4, 1, 2, 4, 1], [40, 9, 130, 3, 0]
+    q4, kv, bt, lens = make_paged_problem(lengths, num_heads=16, q_len=4, block_size=16, seed=4)
+    q = torch.cat([q4[b, :n] for b, n in enumerate(sizes)])
+    qsl = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    problem = prepare_decode(
+        q,
+        kv,
+        bt,
+        lens,
+        head_dim_v=512,
+        softmax_scale=None,
+        causal=True,
+        kv_scale=None,
+        query_start_loc=qsl,
+        max_q_len=4,
+    )
+    problem, out, lse = run_as_the_release_allows(AiterMLAImpl(16), problem)
+    ref_out, ref_lse = dense_varlen_mla_decode(q, qsl, kv, bt, lens)
+    assert out.shape == (q.shape[0], 16, 512)
+    ref_lse = ref_lse.float()
+    if problem.lse:
+        assert_same_attention(out, lse, ref_out.float(), ref_lse, 1e-5)
+    else:
+        assert lse is None
+        assert_same_attention(out, ref_lse, ref_out.float(), ref_lse, 1e-5)
+
+
+def test_per_row_bounds_are_refused_by_name(rocm_machine):
+    """A DCP verify window's rows see this rank's keys in steps of 0 or 1: mla_decode_fwd
+    has no bound per row, so the call is refused at selection and auto takes another."""
+    q, kv, bt, lens = make_paged_problem([20, 9], num_heads=16, q_len=2, dtype=torch.bfloat16)
+    rows = torch.tensor([[19, 20], [9, 9]], dtype=torch.int32)
+    problem = prepare_decode(
+        q,
+        kv,
+        bt,
+        lens,
+        head_dim_v=512,
+        softmax_scale=None,
+        causal=True,
+        kv_scale=None,
+        row_seqlens=rows,
+    )
+    reasons = AiterMLAImpl.unsupported_reasons(problem)
+    assert "a KV bound per query row (row_seqlens)" in "; ".join(reasons)
+    with pytest.raises(ValueError, match=r"'aiter' cannot run .*a KV bound per query row"):
+        rocm_mla.mla_decode(q, kv, bt, lens, row_seqlens=rows, backend="aiter")

@@ -539,6 +539,10 @@ class AiterMLAImpl(MLADecodeImpl):
         platforms=("hip",),
         q_dtypes=(torch.bfloat16,),
         kv_dtypes=(torch.bfloat16, torch.float8_e4m3fnuz, torch.float8_e4m3fn),
+        # Windows of different lengths run front-padded to the longest (``_padded_windows``);
+        # a bound per row (DCP verify windows) is not something mla_decode_fwd takes: it
+        # aligns each window's causal mask to the end of the request's keys.
+        varlen=True,
     )
 
     @classmethod
@@ -592,8 +596,19 @@ class AiterMLAImpl(MLADecodeImpl):
     def _decode(
         self, problem: DecodeProblem, plan: DecodePlan
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One kernel call; returns ``(out [B, S_q, H, Dv] q.dtype, lse [B, S_q, H] fp32)``,
-        the LSE None for a plan without one."""
+        """One kernel call; returns ``(out [B, S_q, H, Dv] q.dtype, lse [B, S_q, H] fp32)``
+        (``[T, H, Dv]`` and ``[T, H]`` for packed windows), the LSE None for a plan without
+        one."""
+        if not problem.varlen:
+            return self._decode_windows(problem, plan)
+        padded, tokens = _padded_windows(problem, plan.spec.q_len)
+        out, lse = self._decode_windows(padded, plan)
+        return out[tokens], None if lse is None else lse[tokens]
+
+    def _decode_windows(
+        self, problem: DecodeProblem, plan: DecodePlan
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``_decode`` of windows of one length."""
         p = problem
         release = installed_release(_aiter_mla)
         # Selection refused these already; a caller that skipped it gets the same reasons.
@@ -675,6 +690,29 @@ class AiterMLAImpl(MLADecodeImpl):
         kernel_lse = kernel_lse.reshape(batch, q_len, heads)[:, :, :num_heads]
         lse = kernel_lse.to(torch.float32).masked_fill(empty, -math.inf)
         return _poisoned(out, lse, poison)
+
+
+def _padded_windows(
+    problem: DecodeProblem, q_len: int
+) -> tuple[DecodeProblem, tuple[torch.Tensor, torch.Tensor]]:
+    """Packed windows as ``q_len``-row ones, each padded at the front: ``(the uniform
+    problem, (request, row) of each packed token)``.
+
+    AITER's causal mask aligns a window's last row with the request's last key (row ``j``
+    of ``S`` sees ``L - S + 1 + j`` keys), so a window of ``n`` rows placed in the last ``n``
+    of ``S`` keeps each row's keys (``L - n + 1 + i``); the padding rows see fewer and are
+    dropped. They cost the kernel rows, not KV reads: a window's rows share each KV load.
+    """
+    p = problem
+    qsl = p.query_start_loc.to(torch.int64)
+    sizes = qsl[1:] - qsl[:-1]  # [B]
+    tokens = torch.arange(p.num_tokens, device=p.q.device)
+    request = torch.searchsorted(qsl[1:], tokens, right=True)
+    row = q_len - sizes[request] + tokens - qsl[request]
+    q = p.q.new_zeros(p.batch, q_len, p.num_heads, p.head_dim)
+    q[request, row] = p.q
+    padded = dataclasses.replace(p, q=q, query_start_loc=None, max_q_len=None)
+    return padded, (request, row)
 
 
 def _poisoned(
