@@ -21,7 +21,7 @@ from rocm_mla.backends import (
 )
 from rocm_mla.backends.aiter import FP8_BY_ARCH, AiterMLAImpl, installed_report
 from rocm_mla.inputs import DecodeSpec
-from rocm_mla.integrations.vllm.report import example_decode_line
+from rocm_mla.integrations.common import example_decode_line
 from rocm_mla.kernels.target import SUPPORTED_TRITON
 from rocm_mla.platform import current_platform, package_version, torch_build
 

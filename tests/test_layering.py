@@ -375,3 +375,41 @@ def test_the_internals_check_allows_the_language_and_the_target_probe():
     probe = "def f():\n    from triton.runtime import driver\n"
     assert triton_internal_imports("rocm_mla.kernels.target", probe, False) == []
     assert len(triton_internal_imports("rocm_mla.kernels.plan", probe, False)) == 1
+
+
+#: Each framework's integration: what it shares with the others is in INTEGRATIONS_COMMON,
+#: and it imports no other framework's modules (issue 41, item 4).
+FRAMEWORK_INTEGRATIONS = ("rocm_mla.integrations.vllm", "rocm_mla.integrations.sglang")
+INTEGRATIONS_COMMON = "rocm_mla.integrations.common"
+
+
+def cross_framework_imports(module: str, source: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, name) for each import in ``module`` of another framework's integration."""
+    own = next((f for f in FRAMEWORK_INTEGRATIONS if module.startswith(f)), None)
+    return [
+        (line, name)
+        for line, name in imported_modules(module, source, is_package)
+        if any(name.startswith(f + ".") or name == f for f in FRAMEWORK_INTEGRATIONS if f != own)
+        and own is not None
+    ]
+
+
+def test_each_framework_integration_imports_only_the_common_layer():
+    problems = []
+    for module, (path, is_package) in package_modules().items():
+        problems += [
+            f"{module}:{line} imports {name}"
+            for line, name in cross_framework_imports(module, path.read_text(), is_package)
+        ]
+    assert not problems, (
+        f"a framework's integration imports another's (share it through {INTEGRATIONS_COMMON}):"
+        f" {problems}"
+    )
+
+
+def test_the_cross_framework_check_finds_a_synthetic_import():
+    source = "from rocm_mla.integrations.vllm.plugin import BACKEND_ENV\n"
+    found = cross_framework_imports("rocm_mla.integrations.sglang.plugin", source, False)
+    assert found == [(1, "rocm_mla.integrations.vllm.plugin.BACKEND_ENV")]
+    common = "from rocm_mla.integrations.common import BACKEND_ENV\n"
+    assert cross_framework_imports("rocm_mla.integrations.sglang.plugin", common, False) == []

@@ -153,10 +153,10 @@ def test_decode_context_parallelism_is_refused(registered, monkeypatch):
 
 
 def test_one_line_says_what_decodes(registered, monkeypatch, caplog):
-    from rocm_mla.integrations.sglang import backend
+    from rocm_mla.integrations import common
 
     monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
-    monkeypatch.setattr(backend, "_ANNOUNCED", set())
+    monkeypatch.setattr(common, "ANNOUNCED", set())
     case = mla_case("rocm_mla", "DECODE", heads=16, page=16, prefix=(7, 20))
     with caplog.at_level(logging.INFO, logger="sglang.srt.plugins.rocm_mla"):
         run_fixture(case)

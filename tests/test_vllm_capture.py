@@ -357,10 +357,11 @@ def test_builder_logs_each_decode_shape_once(monkeypatch):
     of that shape log nothing (the hot path stays a set lookup)."""
     import logging
 
+    from rocm_mla.integrations import common
     from rocm_mla.integrations.vllm import backend
 
     monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
-    monkeypatch.setattr(backend, "_ANNOUNCED", set())
+    monkeypatch.setattr(common, "ANNOUNCED", set())
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -388,13 +389,14 @@ def test_builder_logs_each_decode_shape_once(monkeypatch):
 
 def _step_builder(*, world: int, rank: int, interleave: int, threshold: int):
     """``_bare_builder`` with what ``decode_metadata`` reads beyond ``plan_step``."""
-    from rocm_mla.integrations.vllm.backend import _CallLog
+    from rocm_mla.integrations.common import CallLog
+    from rocm_mla.integrations.vllm.backend import CALL_LOG_ENV
 
     builder = _bare_builder(num_heads=4, page_size=64, dcp_world_size=world)
     builder.dcp_rank = rank
     builder.cp_kv_cache_interleave_size = interleave
     builder.reorder_batch_threshold = threshold
-    builder._log = _CallLog()
+    builder._log = CallLog(CALL_LOG_ENV)
     return builder
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +50,7 @@ from rocm_mla.backends import requested_backend
 from rocm_mla.backends.base import device_kind
 from rocm_mla.dcp import DecodeMetadata, verify_local_seq_lens
 from rocm_mla.inputs import FP8_DTYPES, DecodePlan
-from rocm_mla.integrations.vllm.report import describe_plan, startup_refusal
+from rocm_mla.integrations.common import CallLog, announce, startup_refusal
 from rocm_mla.platform import resolve_device
 
 BACKEND_NAME = "rocm_mla"
@@ -149,31 +148,6 @@ class _StepMetadata:
     dcp: DecodeMetadata | None
 
 
-class _CallLog:
-    """Appends this process's calls to ``$ROCM_MLA_SGLANG_CALL_LOG/<pid>.log`` (tests only)."""
-
-    def __init__(self) -> None:
-        directory = os.environ.get(CALL_LOG_ENV, "").strip()
-        self.path = os.path.join(directory, f"{os.getpid()}.log") if directory else None
-
-    def __call__(self, *words: object) -> None:
-        if self.path is not None:
-            with open(self.path, "a") as log:
-                log.write(" ".join(map(str, words)) + "\n")
-
-
-#: (backend, heads, q_len, kv dtype) of every decode shape this process has logged.
-_ANNOUNCED: set[tuple[str, int, int, torch.dtype]] = set()
-
-
-def _announce(plan: DecodePlan) -> None:
-    spec = plan.spec
-    key = (plan.backend, spec.num_heads, spec.q_len, spec.kv_dtype)
-    if key not in _ANNOUNCED:
-        _ANNOUNCED.add(key)
-        logger.info(describe_plan(plan))
-
-
 class RocmMLAAttnBackend(AttentionBackend):
     """SGLang ``AttentionBackend`` for absorbed MLA: our decode, ``prefill_backend`` for the
     rest (every attribute this class does not define is the prefill backend's).
@@ -257,7 +231,7 @@ class RocmMLAAttnBackend(AttentionBackend):
         self._graph_seqlens: torch.Tensor | None = None
         self._graph_row_seqlens: torch.Tensor | None = None
         self._graph_plans: dict[tuple[int, int], DecodePlan] = {}
-        self._log = _CallLog()
+        self._log = CallLog(CALL_LOG_ENV)
         if self.dcp_size > 1:
             logger.info(
                 "rocm-mla: SGLang DCP rank %d of %d: token p on rank p %% %d, this rank "
@@ -348,7 +322,7 @@ class RocmMLAAttnBackend(AttentionBackend):
             replan_decode(plan, seqlens)
         else:
             plan = self._plan(seqlens if host_lens is None else host_lens, q_len)
-        _announce(plan)
+        announce(plan, logger)
         self.forward_metadata = _StepMetadata(
             plan, block_table, seqlens, row_seqlens, batch, q_len, dcp
         )

@@ -23,10 +23,13 @@ from __future__ import annotations
 import logging
 import os
 
-from rocm_mla.integrations.common import SGLANG, check_release
-
-# One parser for the off switch under every framework.
-from rocm_mla.integrations.vllm.plugin import BACKEND_ENV, DISABLE_ENV, _disabled
+from rocm_mla.integrations.common import (
+    BACKEND_ENV,
+    DISABLE_ENV,
+    SGLANG,
+    check_release,
+    plugin_disabled,
+)
 
 #: The name ``--attention-backend`` selects.
 BACKEND_NAME = "rocm_mla"
@@ -125,7 +128,7 @@ def register() -> list[str]:
         ValueError: ``ROCM_MLA_DISABLE`` is not a boolean (SGLang logs it and loads no
             rocm-mla backend).
     """
-    if _disabled():
+    if plugin_disabled():
         logger.info("rocm-mla: %s is set, registering no SGLang attention backend", DISABLE_ENV)
         return []
     if not check_release(SGLANG, NEEDS, logger):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -66,7 +65,7 @@ from rocm_mla.inputs import (
     DecodePlan,
     prepare_decode,
 )
-from rocm_mla.integrations.vllm.report import describe_plan, startup_refusal
+from rocm_mla.integrations.common import CallLog, announce, startup_refusal
 
 BACKEND_NAME = "ROCM_MLA"
 # The plugin's logger: under "vllm." so vLLM's handler prints it in every process.
@@ -184,7 +183,7 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             # rocm_mla.dcp's layout (token p on rank (p // I) % N, a dense prefix of each
             # rank's pages) is vLLM's for every interleave that divides the block size.
             check_block_size(self.page_size, self.cp_kv_cache_interleave_size)
-        self._log = _CallLog()
+        self._log = CallLog(CALL_LOG_ENV)
 
     def build_for_cudagraph_capture(self, common_attn_metadata) -> MLACommonMetadata:
         self._capturing = True
@@ -343,7 +342,7 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             if plan.max_seqlen != max_model_len:
                 plan = self._plan(seq_lens, key, max_model_len)
             self._plans[key] = plan
-        _announce(plan)
+        announce(plan, logger)
         return plan
 
     def _plan(self, seq_lens: torch.Tensor, key: _StepShape, bound: int) -> DecodePlan:
@@ -367,20 +366,6 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             # Only vLLM's DCP combine reads the decode's LSE.
             return_lse=self.dcp_world_size > 1,
         )
-
-
-#: (backend, heads, q_len, kv dtype) of every decode shape this process has logged.
-_ANNOUNCED: set[tuple[str, int, int, torch.dtype]] = set()
-
-
-def _announce(plan: DecodePlan) -> None:
-    """Log what decodes the first time a step of this shape is planned (once per step, not
-    per layer; a set lookup afterwards). A speculative engine logs its verify windows too."""
-    spec = plan.spec
-    key = (plan.backend, spec.num_heads, spec.q_len, spec.kv_dtype)
-    if key not in _ANNOUNCED:
-        _ANNOUNCED.add(key)
-        logger.info(describe_plan(plan))
 
 
 def _schedule_facts(plan: DecodePlan) -> list[str]:
@@ -588,19 +573,6 @@ def write_latent_cache(
     flat[slots[valid]] = rows[valid]
 
 
-class _CallLog:
-    """Appends this process's calls to ``$ROCM_MLA_VLLM_CALL_LOG/<pid>.log`` (tests only)."""
-
-    def __init__(self) -> None:
-        directory = os.environ.get(CALL_LOG_ENV, "").strip()
-        self.path = os.path.join(directory, f"{os.getpid()}.log") if directory else None
-
-    def __call__(self, event: str, what: str, *counts: int | str) -> None:
-        if self.path is not None:
-            with open(self.path, "a") as log:
-                log.write(" ".join([event, what, *map(str, counts)]) + "\n")
-
-
 class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
     """``MLACommonImpl`` whose decode is rocm_mla's, under the package's CP contract.
 
@@ -688,7 +660,7 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
             )
             for name in names
         }
-        self._log = _CallLog()
+        self._log = CallLog(CALL_LOG_ENV)
 
     def do_kv_cache_update(
         self,

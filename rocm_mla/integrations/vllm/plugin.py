@@ -22,11 +22,15 @@ from __future__ import annotations
 import logging
 import os
 
-from rocm_mla.integrations.common import VLLM, check_release
+from rocm_mla.integrations.common import (
+    BACKEND_ENV,
+    DISABLE_ENV,
+    VLLM,
+    check_release,
+    plugin_disabled,
+)
 
 BACKEND_PATH = "rocm_mla.integrations.vllm.backend.RocmMLABackend"
-DISABLE_ENV = "ROCM_MLA_DISABLE"
-BACKEND_ENV = "ROCM_MLA_BACKEND"
 #: The third-party slot, selected with ``--attention-backend CUSTOM``.
 CUSTOM_MEMBER = "CUSTOM"
 #: The dense MLA decode members each vLLM platform auto-selects (read from vLLM 0.33 and
@@ -57,24 +61,9 @@ NEEDS = {
     "rocm_mla.integrations.vllm.backend": ("RocmMLABackend",),
 }
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
-
 # Under "vllm." so the line goes through vLLM's own handler and log level; a logger of our
 # own would have no handler in a vLLM process and INFO would be dropped.
 logger = logging.getLogger("vllm.plugins.rocm_mla")
-
-
-def _disabled() -> bool:
-    value = os.environ.get(DISABLE_ENV, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(
-        f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r} is not a boolean; use 1 to disable the "
-        "rocm-mla vLLM plugin or 0 / unset to enable it"
-    )
 
 
 def register() -> list[str]:
@@ -89,7 +78,7 @@ def register() -> list[str]:
         ValueError: ``ROCM_MLA_BACKEND`` names no backend, or ``ROCM_MLA_DISABLE`` is not a
             boolean. Failing here, at start-up, beats serving with a backend nobody chose.
     """
-    if _disabled():
+    if plugin_disabled():
         logger.info("rocm-mla: %s is set, registering no vLLM attention backend", DISABLE_ENV)
         return []
     if not check_release(VLLM, NEEDS, logger):
