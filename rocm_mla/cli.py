@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -379,19 +379,21 @@ BENCHMARKS = {
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    # The benchmarks ship with the source tree, not the wheel: run from a checkout.
+    """Run a benchmark of the source checkout the package was installed from (editable):
+    ``python -m benchmarks.<name>`` in the checkout, its exit code returned. The benchmarks
+    are a layer of the source tree, not of the wheel; nothing is added to this process's
+    import path."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "benchmarks" / "common.py").exists():
         print(
-            f"rocm-mla bench: no benchmarks/ next to the package ({root}); run it from a "
-            "source checkout of rocm-mla",
+            f"rocm-mla bench: no benchmarks/ next to the package ({root}); the benchmarks "
+            "ship with the source tree: in a checkout, `pip install -e .` and run "
+            f"`rocm-mla bench {args.which}` (or `python -m {BENCHMARKS[args.which]}`) there",
             file=sys.stderr,
         )
         return 2
-    sys.path.insert(0, str(root))
-    module = importlib.import_module(BENCHMARKS[args.which])
-    module.main(args.rest)
-    return 0
+    done = subprocess.run([sys.executable, "-m", BENCHMARKS[args.which], *args.rest], cwd=root)
+    return done.returncode
 
 
 def _engine_args(p: argparse.ArgumentParser, pp: int, tp: int, dcp: int) -> None:

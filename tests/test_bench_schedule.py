@@ -208,6 +208,19 @@ def test_cli_knows_the_benchmark() -> None:
     assert cli.BENCHMARKS["schedule"] == "benchmarks.schedule"
 
 
+def test_cli_runs_a_benchmark_in_the_checkout_without_touching_the_import_path(capfd) -> None:
+    """``rocm-mla bench`` runs ``python -m benchmarks.<name>`` in the checkout (its exit code
+    is the command's); this process's sys.path stays as it was."""
+    import sys
+
+    from rocm_mla import cli
+
+    before = list(sys.path)
+    assert cli.main(["bench", "schedule", "--help"]) == 0
+    assert sys.path == before
+    assert "usage:" in capfd.readouterr().out
+
+
 def test_the_fit_gives_the_calibrated_overhead(payload: dict) -> None:
     """The committed H200 timings fit the overhead ``plan`` charges (and the merge of the
     kernel they timed, ``plan.MERGE_TOKENS_PER_PARTIAL``'s comment), within the timing's
