@@ -166,14 +166,22 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     #: The per-row bounds buffer of each plan key (persistent for the same reason).
     _bounds: dict | None = None
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, metadata_cls=None):
+    def __init__(
+        self,
+        kv_cache_spec,
+        layer_names,
+        vllm_config,
+        device,
+        metadata_cls=None,
+        supports_dcp_with_varlen: bool = True,
+    ):
         super().__init__(
             kv_cache_spec,
             layer_names,
             vllm_config,
             device,
             metadata_cls,
-            supports_dcp_with_varlen=True,
+            supports_dcp_with_varlen=supports_dcp_with_varlen,
         )
         self.dcp_rank = 0
         if self.dcp_world_size > 1:
