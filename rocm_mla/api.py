@@ -332,7 +332,7 @@ def plan_schedule(
     )
     groups = -(-(q_len * num_heads) // config.block_h)
     capacity = sch.MAX_KEYS if max_blocks is None else max_blocks * page_size
-    pieces = [sch._pieces(v, capacity) for v in lengths]
+    pieces = [sch.pieces_of(v, capacity) for v in lengths]
     tables = sch.host_schedule(
         lengths,
         num_groups=groups,

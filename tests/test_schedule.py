@@ -1,4 +1,4 @@
-"""The balanced schedule (rocm_mla/kernels/schedule.py): its invariants, the launch order that makes
+"""The balanced schedule (rocm_mla/kernels/schedule/): its invariants, the launch order that makes
 list scheduling run the packing, and the device planner (run under the Triton interpreter)
 writing exactly the host planner's tables."""
 
@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from rocm_mla.kernels import schedule as sch
 from rocm_mla.kernels.plan import choose_num_kv_splits
+from rocm_mla.kernels.schedule import cost, device
 from rocm_mla.kernels.target import triton_target
 
 BIG = 1 << 30
@@ -40,7 +41,7 @@ def _segments(tables: sch.ScheduleTables) -> list[tuple[int, int, int, int, int]
 
 def _check_launch_order(tables: sch.ScheduleTables, load: list[int]) -> None:
     """Every segment at one position, of its slot's pool, a pool's segments in planned start
-    order; list scheduling in that order ends no later than the plan (schedule.py)."""
+    order; list scheduling in that order ends no later than the plan (``schedule``)."""
     pools, slots = tables.num_pools, tables.num_slots
     bounds = tables.slot_segments.tolist()
     rows = tables.segments.tolist()
@@ -84,7 +85,7 @@ def _check_invariants(lengths, groups, slots, capacity, pools=1, whole_units=Tru
         num_pools=pools,
         whole_units=whole_units,
     )
-    pieces = [sch._pieces(n, capacity) for n in lengths]
+    pieces = [sch.pieces_of(n, capacity) for n in lengths]
     segs = _segments(tables)
     packing = sch.choose_packing(pieces, groups, slots, whole_units=whole_units, num_pools=pools)
     budget = packing.budget
@@ -153,7 +154,7 @@ def _host_and_device(lengths, groups, slots, capacity, pools=1) -> sch.ScheduleT
     _assert_same(line, _device(lengths, groups, slots, capacity, pools))
     assert sch.model_cost(host) <= sch.model_cost(line)
     if sch.choose_packing(
-        [sch._pieces(n, capacity) for n in lengths],
+        [sch.pieces_of(n, capacity) for n in lengths],
         groups,
         slots,
         whole_units=True,
@@ -360,15 +361,19 @@ def _planner_steps(batch: int, groups: int, monkeypatch) -> tuple[int, int]:
             return self.kernel[grid]
 
     for name in ("_plan_schedule_kernel", "_launch_order_kernel"):
-        monkeypatch.setattr(sch, name, Counted(getattr(sch, name)))
+        monkeypatch.setattr(device, name, Counted(getattr(device, name)))
     tables = sch.empty_tables(batch, groups, 132, "cpu")
     lengths = torch.tensor([1000 + 37 * b for b in range(batch)], dtype=torch.int32)
     lines = 0
 
     def trace(frame, event, arg):
-        # The planning kernel and its helpers: every function of the module but the rank
-        # kernel (parallel over segments) and the host launcher.
-        if frame.f_code.co_filename != sch.__file__ or frame.f_code.co_name in (
+        # The planning kernel and its helpers (the cost model's twins among them): every
+        # function of the two modules but the rank kernel (parallel over segments) and the
+        # host launcher.
+        if frame.f_code.co_filename not in (
+            device.__file__,
+            cost.__file__,
+        ) or frame.f_code.co_name in (
             "_launch_order_kernel",
             "device_schedule",
             "__getitem__",

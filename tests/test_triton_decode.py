@@ -300,7 +300,8 @@ import torch
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rocm_mla.kernels import merge_states as ms, quantize_q as qq, schedule as sch
+from rocm_mla.kernels import merge_states as ms, quantize_q as qq
+from rocm_mla.kernels.schedule import device as planner_kernels
 from rocm_mla.kernels import mla_decode_args as mda, mla_decode_kernel as mdk
 from rocm_mla.kernels.target import TritonTarget
 from rocm_mla.kernels import tuned_configs as tc
@@ -391,14 +392,16 @@ for block_h in sorted({config.block_h for config, _, _ in kernels}):
     print(json.dumps({"kernel": "merge_pieces", "group_rows": block_h, **pieces}))
 wide = ("keys_ptr", "line_ptr", "first_ptr", "head_ptr")
 pointers = {n: "*i64" if n in wide else "*i32"
-            for n in sch._plan_schedule_kernel.arg_names if n.endswith("_ptr")}
-planner = build(sch._plan_schedule_kernel, pointers, sch.PLANNER_CONSTEXPRS, target,
-                {"num_warps": sch.PLAN_WARPS})
+            for n in planner_kernels._plan_schedule_kernel.arg_names if n.endswith("_ptr")}
+planner = build(planner_kernels._plan_schedule_kernel, pointers,
+                planner_kernels.PLANNER_CONSTEXPRS, target,
+                {"num_warps": planner_kernels.PLAN_WARPS})
 print(json.dumps({"kernel": "plan_schedule", **planner}))
 pointers = {n: "*i64" if n == "starts_ptr" else "*i32"
-            for n in sch._launch_order_kernel.arg_names if n.endswith("_ptr")}
-order = build(sch._launch_order_kernel, pointers,
-              dict(POOL_SHIFT=sch.POOL_SHIFT, BLOCK=sch.ORDER_BLOCK), target, {"num_warps": 4})
+            for n in planner_kernels._launch_order_kernel.arg_names if n.endswith("_ptr")}
+order = build(planner_kernels._launch_order_kernel, pointers,
+              dict(POOL_SHIFT=planner_kernels.POOL_SHIFT, BLOCK=planner_kernels.ORDER_BLOCK),
+              target, {"num_warps": 4})
 print(json.dumps({"kernel": "launch_order", **order}))
 consts = dict(HEAD_DIM=576, BLOCK_R=qq._BLOCK_R, BLOCK_D=1024, FP8_DTYPE=tl_type[fp8],
               OUT_DTYPE=tl_type[fp8], FP8_EMULATE_MIN_EXP=None, FP8_MAX=mda._FP8_MAX[fp8])

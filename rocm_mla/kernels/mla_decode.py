@@ -9,7 +9,8 @@ before it):
   q, partials, the launch's arguments);
 - ``occupancy.py``: ``programs_per_cu``, the only code touching Triton's compiler internals;
 - ``plan.py``: the config and resident slots of a decode shape (``plan_launch``);
-- ``schedule.py``: the balanced schedule (which slot walks which keys), host and device;
+- ``schedule/``: the balanced schedule (which slot walks which keys): its cost model, the
+  host and device planners, views;
 - ``mla_decode.py`` (this file): ``mla_decode``, and the public names re-exported.
 
 ``tests/test_layering.py`` (``KERNEL_ORDER``) checks the order.

@@ -248,7 +248,7 @@ def _stage1_arguments(
     """``(grid, args, kwargs)`` of the stage-1 launch: what ``mla_decode`` runs and what
     ``programs_per_cu`` compiles (on meta tensors) to read the kernel's resources. ``q`` and
     ``q_scale`` as ``_stage1_q`` gives them; ``dot_types`` from the caller's q dtype.
-    ``launch_order`` / ``segments``: a schedule's tables (``schedule.py``), one program per
+    ``launch_order`` / ``segments``: a schedule's tables (``schedule``), one program per
     launch position; ``out`` / ``lse`` the final ``[B, S_q, H(, Dv)]`` rows, ``part_out`` /
     ``part_lse`` the ``_partials`` of its cut units. With ``query_start_loc`` (``[B + 1]``)
     the windows are packed: ``q [T, H, D]``, ``out [T, H, Dv]``, ``lse [T, H]``, and

@@ -156,7 +156,7 @@ def plan_launch(
     (``default_config``) unless given; the slots are ``num_cus x programs_per_cu`` (the
     compiled kernel's occupancy for this shape; ``page_size`` None assumes 64,
     ``cache_bytes`` is the KV cache's size: HIP uses buffer loads only below 2 GiB). The
-    balanced schedule (``schedule.py``) packs the step's keys into that many slots.
+    balanced schedule (``schedule``) packs the step's keys into that many slots.
 
     The returned config is the one to launch: when the installed Triton cannot compile the
     planned one for ``target`` (that compile is the residency's), it is the first of
