@@ -13,12 +13,12 @@ compiled stage 1's occupancy for the target (``kernels.occupancy``: one compile 
 no GPU needed; the compiles dominate the run, so rerunning after a kernel change is all it
 takes to refresh; ``--programs-per-cu N`` skips them).
 
-Cost model (key-units; ``schedule.PIECE_KEYS`` = 64, ``schedule.OVERHEAD_KEYS`` =
-``plan.SPLIT_OVERHEAD_TOKENS``, ``schedule.MERGE_KEYS`` = ``plan.MERGE_TOKENS_PER_PARTIAL``,
-calibrated there on an H200; ``--fit`` reproduces the fit): a program or segment walking
-``k`` keys costs ``ceil(k / 64) * 64 + OVERHEAD_KEYS`` (a masked tile costs as much as a full
-one); a step costs its makespan (the last slot to finish) plus ``MERGE_KEYS`` x the most
-partials one unit merges (``schedule.model_cost``). Per schedule:
+Cost model (key-units; ``rocm_mla.kernels.schedule.cost``: ``PIECE_KEYS`` = 64,
+``OVERHEAD_KEYS`` = 192, ``MERGE_KEYS`` = 2, calibrated there on an H200; ``--fit``
+reproduces the fit): a program or segment walking ``k`` keys costs ``ceil(k / 64) * 64 +
+OVERHEAD_KEYS`` (a masked tile costs as much as a full one); a step costs its makespan (the
+last slot to finish) plus ``MERGE_KEYS`` x the most partials one unit merges
+(``schedule.model_cost``). Per schedule:
 
 - balanced (ours, ``kernels.schedule.host_schedule``): one program per segment in the
   planner's launch order (``kernels.schedule``: "Launch order"), list-scheduled onto the
@@ -153,7 +153,7 @@ def base_mixes() -> dict[str, list[int]]:
 
 
 def held_out_mixes() -> dict[str, list[int]]:
-    """Mixes the cost model was not fitted on (``plan.SPLIT_OVERHEAD_TOKENS``: the fit timed
+    """Mixes the cost model was not fitted on (``schedule.cost.OVERHEAD_KEYS``: the fit timed
     ``base_mixes`` on an H200), so the rows check the planner where it was not tuned."""
     rng = random.Random(SEED + 256)
     return {
@@ -561,8 +561,6 @@ def run(
     job_s = {
         " ".join(map(str, job)): seconds for job, (_, seconds) in zip(jobs, by_job, strict=True)
     }
-    from rocm_mla.kernels import plan
-
     payload = {
         "benchmark": "schedule",
         "environment": common.environment(),
@@ -574,9 +572,10 @@ def run(
             "piece_keys": _piece(),
             "overhead_keys": _overhead(),
             "merge_keys_per_partial": _merge_keys(),
-            "calibration": "plan.SPLIT_OVERHEAD_TOKENS / plan.MERGE_TOKENS_PER_PARTIAL "
-            f"({plan.SPLIT_OVERHEAD_TOKENS} / {plan.MERGE_TOKENS_PER_PARTIAL}): the fit of "
-            f"{FIT_FILE} (python -m benchmarks.schedule --fit)",
+            "calibration": "schedule.cost.OVERHEAD_KEYS / MERGE_KEYS "
+            f"({_overhead()} / {_merge_keys()}): the overhead is the fit of {FIT_FILE} "
+            "(python -m benchmarks.schedule --fit), the merge derived from it (MERGE_KEYS's "
+            "comment)",
             "balanced": "kernels.schedule.host_schedule's segments in its launch order, "
             "list-scheduled per pool; slot cost = sum over its segments of (end - first) + "
             "overhead",

@@ -47,8 +47,8 @@ kernel as launched: registers, spills, shared memory, the residency they give), 
 line per row so that a repeat on another machine can be compared plan by plan.
 
 Calibration rows (``calibration``, run first; ``--parts calibration`` alone), for the
-schedule's cost model (``plan.SPLIT_OVERHEAD_TOKENS``, ``schedule.OVERHEAD_KEYS``), per head
-count of ``--calibration-heads`` (S_q 1, bf16): segments of 1 to 64 pieces filling the
+schedule's cost model (``schedule.cost.OVERHEAD_KEYS``, ``MERGE_KEYS``), per head count of
+``--calibration-heads`` (S_q 1, bf16): segments of 1 to 64 pieces filling the
 machine ``CAL_WAVES`` times, whole and cut in two (a segment of one tile against a segment of
 many, with and without its partial and merge), and stage 2 alone merging 2 to 128 partials
 per unit, with the least-squares fits; the fields are documented in ``calibration``.
@@ -563,7 +563,7 @@ def calibration(
     ``time_us`` (the whole call), ``us_per_wave``. ``segment_fit[direct|cut]``: least
     squares ``us_per_wave = fixed_us + us_per_piece x pieces``, its ``residuals_us``, and
     ``overhead_keys = PIECE_KEYS x fixed_us / us_per_piece``: a segment's fixed cost in keys,
-    the cost model's ``SPLIT_OVERHEAD_TOKENS`` (``cut`` adds the partial's write and its
+    the cost model's ``OVERHEAD_KEYS`` (``cut`` adds the partial's write and its
     share of the merge).
 
     Merge rows (``merges``): stage 2 alone (``merge_states.launch_merge_pieces``) over

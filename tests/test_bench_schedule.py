@@ -13,13 +13,13 @@ import pytest
 pytest.importorskip("triton")
 
 from benchmarks import schedule as bench
-from rocm_mla.kernels import plan
+from rocm_mla.kernels.schedule.cost import OVERHEAD_KEYS
 
 LONG_SHORT = "1x128K + 31x2K"
 #: gfx942 H128 S_q1 bf16: two 64-row groups (G 2); 2 programs per CU forced -> S = 608.
 SHAPE = ("gfx942", 128, 1, "bf16")
 PPC = 2
-OVERHEAD = round(plan.SPLIT_OVERHEAD_TOKENS)
+OVERHEAD = OVERHEAD_KEYS
 
 
 @pytest.fixture(scope="module")
@@ -209,11 +209,11 @@ def test_cli_knows_the_benchmark() -> None:
 
 
 def test_the_fit_gives_the_calibrated_overhead(payload: dict) -> None:
-    """The committed H200 timings fit the overhead ``plan`` charges (and the merge of the
-    kernel they timed, ``plan.MERGE_TOKENS_PER_PARTIAL``'s comment), within the timing's
-    spread: half the rows within 6 us."""
+    """The committed H200 timings fit the overhead the model charges (``OVERHEAD_KEYS``;
+    and the merge of the kernel they timed, ``schedule.cost.MERGE_KEYS``'s comment), within the
+    timing's spread: half the rows within 6 us."""
     result = payload["cost_model"]["fit"]
-    assert result["overhead_keys"] == plan.SPLIT_OVERHEAD_TOKENS
+    assert result["overhead_keys"] == OVERHEAD_KEYS
     assert result["merge_keys_per_partial"] == 8
     assert result["abs_residual_us"]["median"] <= 6.0
     assert len(result["residuals"]) == 44

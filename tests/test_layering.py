@@ -50,17 +50,18 @@ KNOWN_UPWARD: set[tuple[str, str]] = set()
 # The Triton decode's modules inside the kernels floor, in import order, as ranks: a module
 # imports only from modules of earlier ranks, never from its own (docs/architecture.md,
 # "Layers"). The schedule package's modules run cost <- tables <- host, device (neither
-# imports the other) <- views <- the package, which re-exports them.
+# imports the other) <- views <- the package, which re-exports them; plan comes after it
+# (choose_num_kv_splits charges the schedule's cost model).
 KERNEL_ORDER: list[tuple[str, ...]] = [
     ("rocm_mla.kernels.mla_decode_kernel",),
     ("rocm_mla.kernels.mla_decode_args",),
     ("rocm_mla.kernels.occupancy",),
-    ("rocm_mla.kernels.plan",),
     ("rocm_mla.kernels.schedule.cost",),
     ("rocm_mla.kernels.schedule.tables",),
     ("rocm_mla.kernels.schedule.host", "rocm_mla.kernels.schedule.device"),
     ("rocm_mla.kernels.schedule.views",),
     ("rocm_mla.kernels.schedule",),
+    ("rocm_mla.kernels.plan",),
     ("rocm_mla.kernels.mla_decode",),
 ]
 KERNEL_RANK = {module: rank for rank, tier in enumerate(KERNEL_ORDER) for module in tier}
@@ -327,9 +328,9 @@ def test_only_occupancy_imports_tritons_compiler_internals():
         ),
         ("rocm_mla.kernels.occupancy", "from . import plan\n", "rocm_mla.kernels.plan"),
         (
+            "rocm_mla.kernels.schedule.host",
+            "from rocm_mla.kernels import plan\n",
             "rocm_mla.kernels.plan",
-            "import rocm_mla.kernels.schedule\n",
-            "rocm_mla.kernels.schedule",
         ),
         (
             "rocm_mla.kernels.plan",

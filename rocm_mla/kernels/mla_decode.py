@@ -8,9 +8,10 @@ before it):
 - ``mla_decode_args.py``: what stage 1 is called with (tuned config, row groups, dot dtypes,
   q, partials, the launch's arguments);
 - ``occupancy.py``: ``programs_per_cu``, the only code touching Triton's compiler internals;
-- ``plan.py``: the config and resident slots of a decode shape (``plan_launch``);
 - ``schedule/``: the balanced schedule (which slot walks which keys): its cost model, the
   host and device planners, views;
+- ``plan.py``: the config and resident slots of a decode shape (``plan_launch``), and the
+  old uniform split count (``choose_num_kv_splits``, charged with the schedule's cost model);
 - ``mla_decode.py`` (this file): ``mla_decode``, and the public names re-exported.
 
 ``tests/test_layering.py`` (``KERNEL_ORDER``) checks the order.

@@ -15,7 +15,12 @@ walks its partials in one program per row). Before any table is built, ``balance
 What a device planner computes has its ``@triton.jit`` twin beside the host function:
 ``load_pieces`` of ``pieces_of``, ``packing_cost`` of ``balanced_cost`` and
 ``uniform_cost``, ``lane_search_lanes`` of ``lane_search``. The model is integer, so each
-pair computes the same integers.
+pair computes the same integers: ``tests/test_schedule_cost.py`` runs the twins (under the
+Triton interpreter without a GPU) against the host functions and compares them exactly.
+
+A change to the model goes here: the constants, and a cost's host function with its twin
+(both planners then charge it); ``benchmarks/schedule.py`` refits the constants
+(``--fit``) and ranks schedules by the model; the twin test shows the pair still agrees.
 """
 
 from __future__ import annotations
@@ -26,18 +31,44 @@ from collections.abc import Callable, Iterable
 import triton
 import triton.language as tl
 
-from rocm_mla.kernels.plan import MERGE_TOKENS_PER_PARTIAL, SPLIT_OVERHEAD_TOKENS
-
 #: Keys per piece: cuts fall on multiples of it. A multiple of every tuned BLOCK_N (16, 32,
 #: 64: ``tuned_configs``), so each piece starts a tile and, with pages of 64 or more keys, a
 #: page (stage 1's one-block-id-per-tile walk); the cost model's smallest program.
 PIECE_KEYS = 64
 #: Keys a schedule plans at most (whole pieces below 2^31, so every key offset is an int32).
 MAX_KEYS = (2**31 - 1) // PIECE_KEYS * PIECE_KEYS
-#: The overhead and the merge's cost per partial in whole keys (the model is integer, so host
-#: and device agree exactly).
-OVERHEAD_KEYS = round(SPLIT_OVERHEAD_TOKENS)
-MERGE_KEYS = round(MERGE_TOKENS_PER_PARTIAL)
+#: The model's two constants, in whole keys (the model is integer, so host and device agree
+#: exactly), from a fit to timings on an NVIDIA H200 by ``benchmarks/schedule_gpu.py``
+#: (2026-12-04, the kernels of 4600785; the merge re-derived since, below):
+#: ``benchmarks/results/schedule-fit-nvidia-h200-2026-12-04.json`` holds what it timed, and
+#: ``rocm-mla bench schedule --fit`` (``benchmarks/schedule.py``'s ``fit``, which imports
+#: these) refits them:
+#:
+#:     time = c0 + c x (stage-1 makespan + merge x the most partials one unit merges)
+#:
+#: the makespan list-scheduled in launch order over the slots (``list_schedule``) with
+#: ``OVERHEAD_KEYS`` per program or segment. Fitted by least absolute deviations over the 44
+#: bf16 rows (balanced and uniform, 11 mixes x H16 / H128; c and c0 per shape): c = 0.0408
+#: us/key at H16 (memory bound: 3.7 TB/s over 132 slots), 0.0617 at H128; c0 = 11.6 / 13.5
+#: us; |residual| median 5.8 us, mean 12.4, worst 122 (H16 batch of 1 balanced, 193 us,
+#: whose tables equal its uniform row's, 79 us: the timing's own spread, host launch time
+#: leaking into one un-graphed call). The fit is flat in the overhead (112-256 keys within
+#: 0.5 us of the best mean |residual|; 192 is the best, and three whole pieces, which the
+#: planner's line packing charges exactly) and sharper in the merge (8; 6-10 within 0.5 us).
+#: Every user charges these: both planners, ``rocm-mla bench schedule`` (its model and
+#: bounds) and ``plan.choose_num_kv_splits``.
+#:
+#: What one more program or segment costs: its prologue (q rows, the block table scan) and
+#: the fp32 partial it writes.
+OVERHEAD_KEYS = 192
+#: What merging one more partial of a cut unit costs: the merge runs one program per row
+#: of a cut unit, so its time follows the unit with the most partials. The fit above gives
+#: 8 keys (6-10) for the merge it timed (4600785's: per 4 partials, 5 loads each waiting on
+#: the one before, so 0.26 us a load at H16). The merge now (``merge_states._merge_rows``)
+#: waits on one load per 16 partials and moves 2 KB per partial and row: 0.26 / 16 us plus
+#: 2 KB at an assumed 60 GB/s a program, 0.05 us or 1.2 keys, rounded up to 2. A derived
+#: figure, not a measured one, until a GPU run times a merge of N partials and refits it.
+MERGE_KEYS = 2
 #: What a unit's start takes on the line: the overhead in whole pieces (rounded up, so a slot
 #: never costs more than its budget).
 OVERHEAD_PIECES = max(1, -(-OVERHEAD_KEYS // PIECE_KEYS))
