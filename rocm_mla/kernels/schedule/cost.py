@@ -95,10 +95,10 @@ def load_pieces(seqlens_ptr, b, mask, capacity_keys, PIECE: tl.constexpr):
     return (length + PIECE - 1) // PIECE
 
 
-def merge_cost(chain: int) -> int:
+def merge_cost(chain: int, merge_keys: int = MERGE_KEYS) -> int:
     """The model's cost of the merge when a unit has the most partials, ``chain`` (a unit in
-    one segment merges nothing)."""
-    return MERGE_KEYS * chain if chain > 1 else 0
+    one segment merges nothing), at ``merge_keys`` a partial (another value: the fit)."""
+    return merge_keys * chain if chain > 1 else 0
 
 
 def chain_bound(longest: int, width: int) -> int:
