@@ -7,7 +7,7 @@ length mix (``base_mixes``, then ``held_out_mixes``: ones the model was not fitt
 and seeded, each also as a DCP-8 rank 0's share from ``rocm_mla.dcp.local_seq_lens``; H is
 unchanged there, DCP gathers the heads), the launch is the one ``plan.plan_launch`` plans
 for the shape (KV cache bytes = the mix's keys x 576 x itemsize, page 64): config =
-``_group_config(default_config(...), S_q*H)``, ``G = ceil(S_q*H / block_h)`` row groups, and
+``group_config(default_config(...), S_q*H)``, ``G = ceil(S_q*H / block_h)`` row groups, and
 ``S = compute units x programs_per_cu`` resident slots, ``programs_per_cu`` being the
 compiled stage 1's occupancy for the target (``kernels.occupancy``: one compile per shape,
 no GPU needed; the compiles dominate the run, so rerunning after a kernel change is all it
@@ -380,7 +380,7 @@ def _plan(target: Target, heads: int, q_len: int, kind: str, lengths: list[int],
     import triton
 
     from rocm_mla.kernels import plan
-    from rocm_mla.kernels.mla_decode_args import _group_config, default_config
+    from rocm_mla.kernels.mla_decode_args import default_config, group_config
 
     tt = target.triton_target()
     kv = target.kv_dtype(kind)
@@ -398,7 +398,7 @@ def _plan(target: Target, heads: int, q_len: int, kind: str, lengths: list[int],
         )
         ppc = slots // target.num_cus
     else:
-        config = _group_config(
+        config = group_config(
             default_config(tt, num_heads=heads, q_len=q_len, kv_dtype=kv), q_len * heads
         )
         slots = target.num_cus * ppc

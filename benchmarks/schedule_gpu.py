@@ -217,7 +217,7 @@ def shape_launch(case: Case, inputs: Inputs, *, slots: int | None = None, target
     once per shape for the occupancy), or with ``slots`` given the tuned config of
     ``target`` (None: this machine's) and that many slots without compiling."""
     from rocm_mla.kernels import plan
-    from rocm_mla.kernels.mla_decode_args import _group_config, default_config
+    from rocm_mla.kernels.mla_decode_args import default_config, group_config
     from rocm_mla.kernels.target import triton_target
 
     target = triton_target() if target is None else target
@@ -235,7 +235,7 @@ def shape_launch(case: Case, inputs: Inputs, *, slots: int | None = None, target
             cache_bytes=kv.numel() * kv.element_size(),
         )
     config = default_config(target, num_heads=case.heads, q_len=case.q_len, kv_dtype=kv.dtype)
-    return _group_config(config, case.q_len * case.heads), slots
+    return group_config(config, case.q_len * case.heads), slots
 
 
 def plan_case(case: Case, inputs: Inputs, *, slots: int | None = None, target=None) -> Plan:

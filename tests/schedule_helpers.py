@@ -28,7 +28,7 @@ def group_config(
         config = mla_decode_args.default_config(
             triton_target(), num_heads=heads, q_len=q_len, kv_dtype=kv_dtype
         )
-    return mla_decode_args._group_config(config, q_len * heads)
+    return mla_decode_args.group_config(config, q_len * heads)
 
 
 def num_groups(

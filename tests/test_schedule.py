@@ -77,7 +77,7 @@ def _check_launch_order(tables: sch.ScheduleTables, load: list[int]) -> None:
 
 
 def _check_invariants(lengths, groups, slots, capacity, pools=1, whole_units=True):
-    tables = sch.host_schedule(
+    packing, tables = sch.host_plan(
         lengths,
         num_groups=groups,
         num_slots=slots,
@@ -87,11 +87,10 @@ def _check_invariants(lengths, groups, slots, capacity, pools=1, whole_units=Tru
     )
     pieces = [sch.pieces_of(n, capacity) for n in lengths]
     segs = _segments(tables)
-    packing = sch.choose_packing(pieces, groups, slots, whole_units=whole_units, num_pools=pools)
-    budget = packing.budget
-    assert budget == sch.search_budget(
+    assert packing == sch.choose_packing(
         pieces, groups, slots, whole_units=whole_units, num_pools=pools
     )
+    budget = packing.budget
     # The model's bound the planner chose by holds for the tables it built.
     assert sch.model_cost(tables) <= packing.cost
     # Every slot within the budget; the budget at or above the tile-granular lower bound.
@@ -409,3 +408,23 @@ def test_device_planner_work_per_request_is_constant(monkeypatch):
     assert large[1] <= 1.5 * small[1], (small, large)
     # Past a block, a vector step more a phase per block.
     assert _planner_steps(2 * sch.PLAN_BLOCK, 1, monkeypatch)[1] <= 3 * small[1]
+
+
+def test_plan_schedule_shows_the_host_plan():
+    """``rocm_mla.plan_schedule``: the host planner's entries, and the budget of the packing
+    they were built from (planned once), which no slot's load exceeds."""
+    from rocm_mla import plan_schedule
+    from rocm_mla.kernels.target import TritonTarget
+
+    lengths = [8192] + [256] * 7
+    target = TritonTarget("interpreter", None, 16)  # one program per CU: 16 slots
+    schedule = plan_schedule(lengths, q_len=1, num_heads=16, kv_dtype=torch.bfloat16, target=target)
+    assert schedule.num_slots == 16 and schedule.num_groups == 1
+    packing, tables = sch.host_plan(
+        lengths, num_groups=1, num_slots=16, capacity_keys=sch.MAX_KEYS, num_pools=1
+    )
+    assert schedule.entries == sch.schedule_entries(tables)
+    pieces = [sch.pieces_of(n, sch.MAX_KEYS) for n in lengths]
+    assert schedule.budget_keys == packing.budget == sch.choose_packing(pieces, 1, 16).budget
+    assert max(schedule.slot_loads) <= schedule.budget_keys
+    assert sum(e.request == 0 for e in schedule.entries) > 1  # the long request is cut

@@ -225,7 +225,7 @@ def test_planned_slots_follow_the_target():
     the compiled stage 1, whatever the lengths (they are not an argument any more)."""
     target = triton_target()
     config, slots = kernel.plan_launch(q_len=1, num_heads=16, kv_dtype=torch.bfloat16)
-    assert config == mla_decode_args._group_config(kernel.default_config(target, num_heads=16), 16)
+    assert config == mla_decode_args.group_config(kernel.default_config(target, num_heads=16), 16)
     assert slots == target.num_cus * kernel.programs_per_cu(
         config, target, kv_dtype=torch.bfloat16, num_heads=16, q_len=1
     )
@@ -339,7 +339,7 @@ for heads in tc.HEAD_BUCKETS:
         for kind, kv_dtype in kv_dtypes.items():
             entry = mda.table_entry(here, num_heads=heads, q_len=q_len, kv_dtype=kv_dtype)
             used.append(entry)
-            config = mda._group_config(entry.config, heads * q_len)
+            config = mda.group_config(entry.config, heads * q_len)
             q_dtype = torch.float32 if kv_dtype == torch.float32 else torch.bfloat16
             kernels.setdefault((config, kv_dtype, q_dtype), []).append((heads, q_len, kind))
 tl_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",

@@ -27,11 +27,11 @@ import triton
 from rocm_mla.kernels.merge_states import launch_merge_pieces
 from rocm_mla.kernels.mla_decode_args import (
     _dot_types,
-    _group_config,
     _partials,
     _stage1_arguments,
     _stage1_q,
     default_config,
+    group_config,
     table_entry,
     target_key,
 )
@@ -152,7 +152,7 @@ def mla_decode(
         )
     if config is None:
         config = default_config(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_cache.dtype)
-    config = _group_config(config, q_len * num_heads)
+    config = group_config(config, q_len * num_heads)
     if schedule is None and num_slots is None:
         # The planner's config, which may differ: it is one the installed Triton compiles.
         config, num_slots = plan_launch(

@@ -57,7 +57,7 @@ def default_config(
     return table_entry(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype).config
 
 
-def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
+def group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
     """``config`` with BLOCK_H fitted to a problem of ``rows`` (S_q x H) query rows.
 
     Fewer rows than BLOCK_H: BLOCK_H shrinks to the next power of two (at least 16, the

@@ -31,9 +31,9 @@ import triton
 from rocm_mla.kernels.mla_decode_args import (
     _FP8_MAX,
     _dot_types,
-    _group_config,
     _partials,
     _stage1_arguments,
+    group_config,
     target_key,
 )
 from rocm_mla.kernels.mla_decode_kernel import _mla_decode_stage1
@@ -185,7 +185,7 @@ def _compile_stage1_resources(
     large_cache: bool,
 ) -> dict:
     here = TritonTarget(backend, arch, 1)
-    config = _group_config(config, q_len * num_heads)
+    config = group_config(config, q_len * num_heads)
     num_groups = triton.cdiv(q_len * num_heads, config.block_h)
     meta = {"device": "meta"}
     batch = 2  # more than one request and split: no argument specializes to 1

@@ -12,7 +12,7 @@ from dataclasses import MISSING, fields, replace
 
 import torch
 
-from rocm_mla.kernels.mla_decode_args import _group_config, default_config
+from rocm_mla.kernels.mla_decode_args import default_config, group_config
 from rocm_mla.kernels.occupancy import Stage1CompileError, programs_per_cu
 from rocm_mla.kernels.schedule.cost import MERGE_KEYS, OVERHEAD_KEYS
 from rocm_mla.kernels.target import (
@@ -142,7 +142,7 @@ def plan_launch(
         raise RuntimeError(f"plan_launch: {reason}")
     if config is None:
         config = default_config(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype)
-    config = _group_config(config, q_len * num_heads)
+    config = group_config(config, q_len * num_heads)
     shape = dict(
         kv_dtype=kv_dtype,
         head_dim=head_dim,

@@ -119,9 +119,9 @@ from rocm_mla.kernels.schedule.device import (
 from rocm_mla.kernels.schedule.host import (
     Packing,
     choose_packing,
+    host_plan,
     host_schedule,
     launch_order,
-    search_budget,
     uniform_schedule,
 )
 from rocm_mla.kernels.schedule.tables import (
@@ -161,6 +161,7 @@ __all__ = [
     "choose_packing",
     "device_schedule",
     "empty_tables",
+    "host_plan",
     "host_schedule",
     "launch_capacity",
     "launch_order",
@@ -171,7 +172,6 @@ __all__ = [
     "pieces_of",
     "pool_of",
     "schedule_entries",
-    "search_budget",
     "segment_capacity",
     "uniform_schedule",
 ]

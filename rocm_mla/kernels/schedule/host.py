@@ -153,21 +153,6 @@ def _whole_unit_segments(
     return [row for *_, row in sorted(rows)], max(end for _, end, _ in rows)
 
 
-def search_budget(
-    pieces: Sequence[int],
-    num_groups: int,
-    num_slots: int,
-    *,
-    whole_units: bool = True,
-    num_pools: int = 1,
-) -> int:
-    """The packing budget (keys of cost per slot) ``host_schedule`` plans these units under."""
-    packing = choose_packing(
-        pieces, num_groups, num_slots, whole_units=whole_units, num_pools=num_pools
-    )
-    return packing.budget
-
-
 def _line_segments(
     pieces: Sequence[int], num_groups: int, width: int
 ) -> list[tuple[int, int, int, int, int, int]]:
@@ -226,6 +211,30 @@ def host_schedule(
     """The schedule of ``lengths`` (host ints), as the device planner would build it; with
     ``whole_units`` (the default) it may also run more units than slots uncut, which the
     device planner never does (the package docstring, "Whole units")."""
+    _, tables = host_plan(
+        lengths,
+        num_groups=num_groups,
+        num_slots=num_slots,
+        capacity_keys=capacity_keys,
+        num_pools=num_pools,
+        device=device,
+        whole_units=whole_units,
+    )
+    return tables
+
+
+def host_plan(
+    lengths: Sequence[int],
+    *,
+    num_groups: int,
+    num_slots: int,
+    capacity_keys: int,
+    num_pools: int = 1,
+    device: torch.device | str = "cpu",
+    whole_units: bool = True,
+) -> tuple[Packing, ScheduleTables]:
+    """``host_schedule``'s tables and the packing they were built from (``choose_packing``'s:
+    its budget, its bound on the step's cost), planned once."""
     check_pools(num_pools)
     pieces = [pieces_of(int(length), capacity_keys) for length in lengths]
     units = len(pieces) * num_groups
@@ -268,7 +277,7 @@ def host_schedule(
     # Capacity-sized like the device planner's, so the device may rewrite these tables.
     order_table = torch.full((launch_capacity(units, num_slots, num_pools),), -1, dtype=torch.int32)
     order_table[: len(order)] = torch.tensor(order, dtype=torch.int32)
-    return ScheduleTables(
+    return packing, ScheduleTables(
         slot_segments=torch.tensor(slot_segments, dtype=torch.int32, device=device),
         segments=seg_table.to(device),
         unit_parts=torch.tensor(unit_parts, dtype=torch.int32, device=device).view(units, 2),
