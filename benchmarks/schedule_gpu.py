@@ -578,7 +578,7 @@ def calibration(
     from rocm_mla.kernels import mla_decode as kernel
     from rocm_mla.kernels import schedule as sch
     from rocm_mla.kernels.merge_states import launch_merge_pieces
-    from rocm_mla.kernels.mla_decode_args import _partials
+    from rocm_mla.kernels.mla_decode_args import partial_buffers
 
     piece = sch.PIECE_KEYS
     probe_case = Case("calibration", (piece,), heads, "bf16")
@@ -657,7 +657,7 @@ def calibration(
         # As a balanced schedule lists them: the cut units, then -1 up to the slot count.
         split_units = torch.full((max(slots, units),), -1, dtype=torch.int32, device=device)
         split_units[:units] = torch.arange(units, dtype=torch.int32, device=device)
-        part_out, part_lse = _partials(units * parts, config.block_h, HEAD_DIM_V, device)
+        part_out, part_lse = partial_buffers(units * parts, config.block_h, HEAD_DIM_V, device)
         part_out.normal_(generator=gen)
         part_lse.normal_(generator=gen)
         out = torch.empty(requests, heads, HEAD_DIM_V, dtype=torch.bfloat16, device=device)

@@ -675,7 +675,7 @@ def test_amd_compute_bound_configs_on_the_interpreter(target, heads, q_len, kind
 
 def test_stage1_refuses_partials_without_a_slot_for_every_row_of_a_group():
     """Stage 1 stores a cut unit's partial unmasked, a row for each of the group's BLOCK_H
-    rows (pad rows included), with unit strides in the last dims; ``_stage1_arguments``
+    rows (pad rows included), with unit strides in the last dims; ``stage1_arguments``
     refuses any other partial buffer (and final rows whose S_q and H are not adjacent)
     before the launch."""
     q, kv, bt, lens = prepared([20, 3], heads=20, q_len=3)
@@ -687,13 +687,13 @@ def test_stage1_refuses_partials_without_a_slot_for_every_row_of_a_group():
     lse = torch.empty(2, 3, 20, device=DEVICE)
 
     def arguments(part_out, part_lse, out=out, lse=lse):
-        return mla_decode_args._stage1_arguments(
+        return mla_decode_args.stage1_arguments(
             q, None, kv, bt, lens, tables_.launch_order, tables_.segments, out, lse,
             part_out, part_lse, None, head_dim_v=512, softmax_scale=0.1, causal=True,
             kv_scale=None, num_groups=1, config=config, target=target, dot_types=dot_types,
         )  # fmt: skip
 
-    part_out, part_lse = mla_decode_args._partials(2, 64, 512, DEVICE)
+    part_out, part_lse = mla_decode_args.partial_buffers(2, 64, 512, DEVICE)
     assert part_out.shape == (2, 64, 512) and part_lse.shape == (2, 64)
     grid, _, _ = arguments(part_out, part_lse)
     # One program per launch position of the tables (their capacity: mla_decode launches

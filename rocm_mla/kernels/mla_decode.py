@@ -27,11 +27,11 @@ import triton
 from rocm_mla.kernels.merge_states import launch_merge_pieces
 from rocm_mla.kernels.mla_decode_args import (
     _dot_types,
-    _partials,
-    _stage1_arguments,
-    _stage1_q,
     default_config,
     group_config,
+    partial_buffers,
+    stage1_arguments,
+    stage1_q,
     table_entry,
     target_key,
 )
@@ -197,10 +197,10 @@ def mla_decode(
         if schedule.num_partials is None
         else schedule.num_partials
     )
-    part_out, part_lse = _partials(max(partials, 1), config.block_h, head_dim_v, q.device)
+    part_out, part_lse = partial_buffers(max(partials, 1), config.block_h, head_dim_v, q.device)
     dot_types = _dot_types(q.dtype, kv_cache.dtype, target, config)
-    q_in, q_scale = _stage1_q(q, kv_cache.dtype, dot_types, target)
-    grid, args, kwargs = _stage1_arguments(
+    q_in, q_scale = stage1_q(q, kv_cache.dtype, dot_types, target)
+    grid, args, kwargs = stage1_arguments(
         q_in,
         q_scale,
         kv_cache,
