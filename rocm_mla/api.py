@@ -332,8 +332,7 @@ def plan_schedule(
     )
     groups = -(-(q_len * num_heads) // config.block_h)
     capacity = sch.MAX_KEYS if max_blocks is None else max_blocks * page_size
-    pieces = [sch._pieces(v, capacity) for v in lengths]
-    tables = sch.host_schedule(
+    packing, tables = sch.host_plan(
         lengths,
         num_groups=groups,
         num_slots=slots,
@@ -347,7 +346,7 @@ def plan_schedule(
         num_slots=slots,
         num_groups=groups,
         block_h=config.block_h,
-        budget_keys=sch.search_budget(pieces, groups, slots, num_pools=config.num_xcds),
+        budget_keys=packing.budget,
         num_programs=tables.num_programs,
         num_pools=tables.num_pools,
     )

@@ -1,4 +1,4 @@
-"""The Triton decode on the balanced schedule (``rocm_mla/kernels/schedule.py``) against torch.
+"""The Triton decode on the balanced schedule (``rocm_mla/kernels/schedule/``) against torch.
 
 Each length mix of the schedule issue, shrunk to interpreter size (page 16, pieces of 64
 keys, D = 64 + 16), decoded twice: on the host planner's tables and on the device planner's

@@ -8,8 +8,10 @@ before it):
 - ``mla_decode_args.py``: what stage 1 is called with (tuned config, row groups, dot dtypes,
   q, partials, the launch's arguments);
 - ``occupancy.py``: ``programs_per_cu``, the only code touching Triton's compiler internals;
-- ``plan.py``: the config and resident slots of a decode shape (``plan_launch``);
-- ``schedule.py``: the balanced schedule (which slot walks which keys), host and device;
+- ``schedule/``: the balanced schedule (which slot walks which keys): its cost model, the
+  host and device planners, views;
+- ``plan.py``: the config and resident slots of a decode shape (``plan_launch``), and the
+  old uniform split count (``choose_num_kv_splits``, charged with the schedule's cost model);
 - ``mla_decode.py`` (this file): ``mla_decode``, and the public names re-exported.
 
 ``tests/test_layering.py`` (``KERNEL_ORDER``) checks the order.
@@ -25,11 +27,11 @@ import triton
 from rocm_mla.kernels.merge_states import launch_merge_pieces
 from rocm_mla.kernels.mla_decode_args import (
     _dot_types,
-    _group_config,
-    _partials,
-    _stage1_arguments,
-    _stage1_q,
     default_config,
+    group_config,
+    partial_buffers,
+    stage1_arguments,
+    stage1_q,
     table_entry,
     target_key,
 )
@@ -150,7 +152,7 @@ def mla_decode(
         )
     if config is None:
         config = default_config(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_cache.dtype)
-    config = _group_config(config, q_len * num_heads)
+    config = group_config(config, q_len * num_heads)
     if schedule is None and num_slots is None:
         # The planner's config, which may differ: it is one the installed Triton compiles.
         config, num_slots = plan_launch(
@@ -195,10 +197,10 @@ def mla_decode(
         if schedule.num_partials is None
         else schedule.num_partials
     )
-    part_out, part_lse = _partials(max(partials, 1), config.block_h, head_dim_v, q.device)
+    part_out, part_lse = partial_buffers(max(partials, 1), config.block_h, head_dim_v, q.device)
     dot_types = _dot_types(q.dtype, kv_cache.dtype, target, config)
-    q_in, q_scale = _stage1_q(q, kv_cache.dtype, dot_types, target)
-    grid, args, kwargs = _stage1_arguments(
+    q_in, q_scale = stage1_q(q, kv_cache.dtype, dot_types, target)
+    grid, args, kwargs = stage1_arguments(
         q_in,
         q_scale,
         kv_cache,

@@ -1,6 +1,6 @@
 """What stage 1 is called with: the tuned config for a shape, its row grouping, the dtype
 constexprs of the dots, q as stage 1 reads it, the split partials, and the launch's grid,
-arguments and constexprs (``_stage1_arguments``, shared by ``mla_decode`` and the occupancy
+arguments and constexprs (``stage1_arguments``, shared by ``mla_decode`` and the occupancy
 compile). Host code only; the kernel is in ``mla_decode_kernel``.
 """
 
@@ -57,7 +57,7 @@ def default_config(
     return table_entry(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype).config
 
 
-def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
+def group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
     """``config`` with BLOCK_H fitted to a problem of ``rows`` (S_q x H) query rows.
 
     Fewer rows than BLOCK_H: BLOCK_H shrinks to the next power of two (at least 16, the
@@ -175,7 +175,7 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
     }
 
 
-def _stage1_q(
+def stage1_q(
     q: torch.Tensor, kv_dtype: torch.dtype, dot_types: dict, target: TritonTarget
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(the q stage 1 reads, its per-row scales or None)``: with fp8 ``Q K^T`` q quantized
@@ -196,7 +196,7 @@ def _stage1_q(
     return (quantized.squeeze(1), scale) if packed else (quantized, scale)
 
 
-def _partials(
+def partial_buffers(
     capacity: int, group_rows: int, head_dim_v: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1's fp32 partials ``(out [capacity, group_rows, Dv], lse [capacity, group_rows])``
@@ -219,7 +219,7 @@ def no_op_guard(target: TritonTarget, *, causal: bool, q_len: int, row_bounds: b
     return "loop" if (causal and q_len > 1) or row_bounds else "mask"
 
 
-def _stage1_arguments(
+def stage1_arguments(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
     kv_cache: torch.Tensor,
@@ -247,10 +247,10 @@ def _stage1_arguments(
 ) -> tuple[tuple[int], tuple, dict]:
     """``(grid, args, kwargs)`` of the stage-1 launch: what ``mla_decode`` runs and what
     ``programs_per_cu`` compiles (on meta tensors) to read the kernel's resources. ``q`` and
-    ``q_scale`` as ``_stage1_q`` gives them; ``dot_types`` from the caller's q dtype.
-    ``launch_order`` / ``segments``: a schedule's tables (``schedule.py``), one program per
+    ``q_scale`` as ``stage1_q`` gives them; ``dot_types`` from the caller's q dtype.
+    ``launch_order`` / ``segments``: a schedule's tables (``schedule``), one program per
     launch position; ``out`` / ``lse`` the final ``[B, S_q, H(, Dv)]`` rows, ``part_out`` /
-    ``part_lse`` the ``_partials`` of its cut units. With ``query_start_loc`` (``[B + 1]``)
+    ``part_lse`` the ``partial_buffers`` of its cut units. With ``query_start_loc`` (``[B + 1]``)
     the windows are packed: ``q [T, H, D]``, ``out [T, H, Dv]``, ``lse [T, H]``, and
     ``max_q_len`` the longest; ``row_seqlens`` (``[T]``): every query row's KV bound."""
     varlen = query_start_loc is not None
@@ -287,7 +287,7 @@ def _stage1_arguments(
         token_stride = buffer.stride(0) if varlen else buffer.stride(1)
         if token_stride != num_heads * buffer.stride(2):
             raise RuntimeError(
-                f"_stage1_arguments: {name} must hold S_q and H adjacent (a token's stride "
+                f"stage1_arguments: {name} must hold S_q and H adjacent (a token's stride "
                 f"== H x stride(2)), got strides {buffer.stride()}"
             )
     if (
@@ -298,7 +298,7 @@ def _stage1_arguments(
         or part_lse.stride(1) != 1
     ):
         raise RuntimeError(
-            f"_stage1_arguments: partials must be [P, {config.block_h}, Dv] and [P, "
+            f"stage1_arguments: partials must be [P, {config.block_h}, Dv] and [P, "
             f"{config.block_h}] with unit strides in their last dims, got "
             f"{tuple(part_out.shape)} {part_out.stride()} and {tuple(part_lse.shape)} "
             f"{part_lse.stride()}"

@@ -7,7 +7,7 @@ folds them into the head axis: row ``r = i * H + h`` of a request is query posit
 head ``h``, and a program serves ``BLOCK_H`` such rows at once (64 on Hopper, the M of one
 wgmma), so each KV tile is loaded once for all of them.
 
-Stage 1: one program per segment of the balanced schedule (``schedule.py``): a request, a
+Stage 1: one program per segment of the balanced schedule (``schedule``): a request, a
 row group and a key range. It walks that slice of the request's keys in ``[BLOCK_N, D]``
 tiles gathered through the block table. Each tile is loaded once and serves both ``Q K^T``
 (all ``D`` columns) and ``P V`` (its first ``Dv`` columns); with ``dv_chunks=2`` the V
@@ -860,10 +860,10 @@ def _mla_decode_stage1(
     ROW_BOUNDS: tl.constexpr,
     NO_OP_GUARD: tl.constexpr,
 ):
-    """Stage 1: one program per segment of the balanced schedule (``schedule.py``), in the
+    """Stage 1: one program per segment of the balanced schedule (``schedule``), in the
     launch order its planner chose: the hardware hands out programs in id order to whichever
     slot frees first (on AMD, within the XCD of ``pid % NUM_XCDS``), and that order makes
-    it run the planned packing (``schedule.py``: "Launch order"). One segment per program,
+    it run the planned packing (``schedule``: "Launch order"). One segment per program,
     not a loop over a slot's list: a persistent loop let LLVM hoist the layouts' thread-id
     index math out of it, live through the walk (sm90: up to 972 B of spills at 255
     registers; gfx942: 20-46 more VGPRs), which one straight walk never has."""
