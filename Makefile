@@ -90,7 +90,7 @@ SGLANG_VENV ?= $${XDG_CACHE_HOME:-$$HOME/.cache}/rocm-mla/sglang-$(SGLANG_VERSIO
 SGLANG_TESTS := $(wildcard tests/test_sglang*.py)
 
 # The floor, as test-vllm's: the pass's count when it was set.
-SGLANG_FLOOR ?= 37
+SGLANG_FLOOR ?= 54
 test-sglang:
 	@venv="$$(SGLANG_VERSION=$(SGLANG_VERSION) SGLANG_VENV="$(SGLANG_VENV)" PYTHON=$(PYTHON) bash scripts/sglang_env.sh)" && \
 	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$$venv/bin/python" -m pytest -m sglang -p no:cacheprovider \

@@ -8,6 +8,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,35 @@ def package_version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+@dataclass(frozen=True, order=True)
+class Release:
+    """A package version as far as "is it this release or newer" needs: the first three
+    numbers, and whether it is that release itself (or a post-release of it) rather than a
+    pre-release (``.devN``, ``aN``, ``bN``, ``rcN``) that may lack its last changes."""
+
+    numbers: tuple[int, int, int]
+    final: bool
+
+    def at_least(self, numbers: tuple[int, int, int]) -> bool:
+        return self >= Release(numbers, True)
+
+    def __str__(self) -> str:
+        return ".".join(map(str, self.numbers)) + ("" if self.final else " (pre-release)")
+
+
+_RELEASE = re.compile(r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.post\d+)?((?:\.?(?:dev|a|b|rc)\d*)?)")
+
+
+def parse_release(version: str | None) -> Release | None:
+    """``"0.1.7.post2.dev18"`` -> ``Release((0, 1, 7), final=False)``, ``"0.32.0+cpu"`` ->
+    ``Release((0, 32, 0), True)``; None for None or a string that starts with no version."""
+    found = None if version is None else _RELEASE.match(version.strip())
+    if found is None:
+        return None
+    major, minor, patch, pre = found.groups()
+    return Release((int(major), int(minor), int(patch or 0)), final=not pre)
 
 
 @dataclass(frozen=True)

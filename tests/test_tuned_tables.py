@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from rocm_mla.kernels import tuned_configs as tables
-from rocm_mla.kernels.mla_decode_args import _group_config
+from rocm_mla.kernels.mla_decode_args import group_config
 from rocm_mla.targets import TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def test_json_tables_reproduce_the_python_tables(
     entry = tables.lookup(target, heads, q_len, kv_dtype, release)
     assert entry.config.to_dict() == config
     assert entry.source == source
-    assert _group_config(entry.config, heads * q_len).to_dict() == launched
+    assert group_config(entry.config, heads * q_len).to_dict() == launched
 
 
 def test_every_shipped_file_is_a_table_named_for_its_content():

@@ -42,7 +42,11 @@ def _capabilities() -> Capabilities:
     # The fp8 flavours its hardware computes (registry: ``TargetSpec.fp8_dtypes``).
     fp8 = target.spec.fp8_dtypes
     platforms = ("cpu",) if target.backend == "interpreter" else (target.backend,)
-    return Capabilities(platforms=platforms, q_dtypes=Q_DTYPES, kv_dtypes=(*_BASE_KV_DTYPES, *fp8))
+    # Every target takes packed windows and per-row bounds: one kernel source.
+    ragged = {"varlen": True, "row_bounds": True}
+    return Capabilities(
+        platforms=platforms, q_dtypes=Q_DTYPES, kv_dtypes=(*_BASE_KV_DTYPES, *fp8), **ragged
+    )
 
 
 class _LazyCapabilities:
@@ -251,4 +255,7 @@ class TritonMLAImpl(MLADecodeImpl):
             schedule=None if forced else launch.schedule,
             num_slots=self.num_slots,
             fault_flag=problem.fault_flag,
+            query_start_loc=problem.query_start_loc,
+            max_q_len=plan.spec.q_len,
+            row_seqlens=problem.row_seqlens,
         )
