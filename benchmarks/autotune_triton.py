@@ -20,6 +20,17 @@ a GPU:
 The stored ``config`` is the table entry as swept (64 rows); the buckets' smaller row
 counts shrink it at launch as ``plan_launch`` does.
 
+Without the target's GPU, ``--compiled KEY`` chooses on compiled evidence instead of time
+(``rocm-mla bench static``'s compile and gates, for a registry key, under ``--triton``):
+every candidate of a shape is compiled as bench static compiles a case (B 32 of a 32K
+context) and gated; of those passing every gate, the entry is the one with the least
+issued/useful matrix work, then the most resident programs per CU, then the largest BLOCK_N,
+then the fewest registers (a memory-bound decode hides latency with resident programs and
+long tiles; none of this is timed, and the sources say so):
+
+    python -m benchmarks.autotune_triton --compiled gfx1250 --triton 3.9.0 --focused \
+        --heads 16 64 128 --q-lens 1 2 4 [--jobs 2] [--out FILE]
+
 Timing: ``triton.testing.do_bench`` (median of a fixed time budget, L2 flushed between
 runs). Compiles dominate: the defaults (8 buckets, up to 33 configs each) should take tens
 of minutes on one H200 (not yet run); ``--quick`` (64 rows, 8 warps) a few minutes.
@@ -31,6 +42,7 @@ import argparse
 import datetime
 import itertools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -39,6 +51,10 @@ import torch
 from benchmarks import common
 
 HEAD_DIM, HEAD_DIM_V, BLOCK_SIZE = 576, 512, 64
+#: ``--compiled`` gates each candidate at bench static's middle batch (32 requests of 32K keys:
+#: one stage-1 specialization, buffer loads); ``rocm-mla bench static`` then gates the table
+#: at all three.
+COMPILED_BATCHES = (32,)
 
 
 def sweep(target, kv_kind: str, quick: bool) -> list:
@@ -99,7 +115,7 @@ def focused(target, heads: int, q_len: int, kv_kind: str) -> list:
     from rocm_mla.kernels.tuned_configs import LaunchConfig
 
     if target.backend != "cuda":
-        return sweep(target, kv_kind, quick=True)
+        return _amd_focused(target, heads, q_len, kv_kind)
     fp8 = kv_kind == "fp8"
     fp8_dots = {"fp8_qk": True} if fp8 else {}
     shrunk = {"shrunk_prefetch_ids": True, "shrunk_keys_as_m": True if fp8 else None}
@@ -125,6 +141,194 @@ def focused(target, heads: int, q_len: int, kv_kind: str) -> list:
     if fp8:
         configs.append(replace(configs[0], fp8_pv=True))
     return configs
+
+
+def _amd_focused(target, heads: int, q_len: int, kv_kind: str) -> list:
+    """The few AMD candidates worth compiling for a shape, around the CDNA tables' shapes: from
+    64 rows on (compute-bound) a 64-row group with each of 4 waves owning 16 rows and V in two
+    halves, under 64 rows a 16-row group on 4 or 8 waves; 16-, 32- or 64-key tiles (32 is a
+    wave32 WMMA's K for 16-bit P.V), two stages (three once), one or two waves per EU (the
+    registers LLVM may give a wave). fp8 runs Q.K^T in fp8 (P.V in fp16). The target's XCD
+    remap and kpack (the registry's), 16-wide matrix ops."""
+    from rocm_mla.kernels.tuned_configs import LaunchConfig
+
+    knobs = {
+        "num_xcds": target.spec.xcds,
+        "kpack": target.spec.kpack,
+        "matrix_instr_nonkdim": 16,
+        "prefetch_ids": True,
+        "fp8_qk": kv_kind == "fp8",
+    }
+    if heads * q_len >= 64:
+        return [
+            LaunchConfig(
+                block_h=64, block_n=n, num_warps=4, num_stages=s, dv_chunks=2, rows_per_warp=16,
+                **knobs, waves_per_eu=w,
+            )
+            for n, s, w in ((32, 2, 1), (32, 2, 2), (16, 2, 2), (64, 2, 2), (32, 3, 2))
+        ]  # fmt: skip
+    return [
+        LaunchConfig(block_h=16, block_n=n, num_warps=w, num_stages=2, **knobs, waves_per_eu=e)
+        for n, w, e in ((32, 4, 1), (32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 8, 2))
+    ]
+
+
+def _choose_compiled(results: list[tuple[object, dict, dict]]) -> tuple[object, dict] | None:
+    """The candidate ``(config, evidence)`` compiled evidence prefers, of ``(config, bench
+    static's result for its case, its stage-1 kernels)``: every gate passes, then the least
+    issued/useful (B 32), the most resident programs per CU, the largest BLOCK_N, the fewest
+    registers; None when no candidate passes."""
+    ranked = []
+    for config, result, kernels in results:
+        verdicts = result["gates"]
+        if not result["per_batch"] or any(v["pass"] is False for v in verdicts.values()):
+            continue
+        at = {b["batch"]: b for b in result["per_batch"]}
+        b = at.get(32, result["per_batch"][0])
+        info = kernels[b["stage1"]]
+        regs = info["regs_per_thread"] + info.get("agprs_per_thread", 0)
+        evidence = {
+            "issued_over_useful": b["issued_over_useful"],
+            "resident_per_cu": b["resident_per_unit"],
+            "block_n": b["config"]["block_n"],
+            "registers": regs,
+            "gates_passed": sorted(k for k, v in verdicts.items() if v["pass"]),
+        }
+        issued = round(b["issued_over_useful"] or 1.0, 2)
+        key = (issued, -b["resident_per_unit"], -config.block_n, regs)
+        ranked.append((key, config, evidence))
+    if not ranked:
+        return None
+    _, config, evidence = min(ranked, key=lambda r: r[0])
+    return config, evidence
+
+
+def compiled(args, parser) -> Path:
+    """``--compiled KEY``: choose each shape's entry on compiled evidence (the module
+    docstring), and write the table file."""
+    import triton
+
+    from benchmarks import kernel_static as ks
+    from rocm_mla.kernels import tuned_configs as tables
+    from rocm_mla.targets import TARGETS
+
+    if args.compiled not in ks.TARGETS:
+        parser.error(f"--compiled: expected one of {sorted(ks.TARGETS)}, got {args.compiled!r}")
+    target = ks.TARGETS[args.compiled]
+    here = target.triton_target()
+    spec = TARGETS[args.compiled]
+    shapes = list(itertools.product(args.heads, args.q_lens, args.kv))
+    cases, configs, candidates = [], {}, {}
+    for heads, q_len, kv_kind in shapes:
+        kv_dtype = torch.bfloat16 if kv_kind == "bf16" else spec.fp8_dtype
+        current = tables.lookup(spec.table, heads, q_len, kv_dtype).config
+        space = (
+            focused(here, heads, q_len, kv_kind)
+            if args.focused
+            else sweep(here, kv_kind, args.quick)
+        )
+        for i, config in enumerate([current] + [c for c in space if c != current]):
+            case = ks.Case(f"H{heads} Sq{q_len} {kv_kind} candidate {i}", heads, q_len, kv_kind)
+            cases.append(case)
+            configs[case.name] = config
+            candidates.setdefault((heads, q_len, kv_kind), []).append((case, config))
+    ks.use_hip_linker()
+    payload = ks.run(
+        tuple(cases), [target], workers=args.jobs, configs=configs, batches=COMPILED_BATCHES
+    )
+    by_name = {r["case"]["name"]: r for r in payload["results"]}
+    today = datetime.date.today().isoformat()
+    entries, report = [], []
+    for (heads, q_len, kv_kind), tried in candidates.items():
+        results = [(config, by_name[case.name], payload["kernels"]) for case, config in tried]
+        chosen = _choose_compiled(results)
+        report.append(
+            {
+                "heads": heads,
+                "q_len": q_len,
+                "kv": kv_kind,
+                "candidates": [
+                    {
+                        "config": config.to_dict(),
+                        "failed_gates": sorted(
+                            k for k, v in result["gates"].items() if v["pass"] is False
+                        ),
+                        "resident_per_cu": [b["resident_per_unit"] for b in result["per_batch"]],
+                        "issued_over_useful": [
+                            b["issued_over_useful"] for b in result["per_batch"]
+                        ],
+                    }
+                    for config, result, _ in results
+                ],
+            }
+        )
+        if chosen is None:
+            print(f"autotune: no candidate of H{heads} S_q{q_len} {kv_kind} passes every gate",
+                  file=sys.stderr)  # fmt: skip
+            continue
+        config, evidence = chosen
+        source = (
+            f"unmeasured: autotune --compiled on Triton {triton.__version__} ({today}, no "
+            f"{args.compiled} GPU): of {len(tried)} candidates, every bench-static gate passes "
+            "at B 32 of 32K keys, then the least issued/useful, most resident programs "
+            f"per CU, largest BLOCK_N, fewest registers: issued/useful "
+            f"{evidence['issued_over_useful']}, {evidence['resident_per_cu']} programs/CU, "
+            f"{evidence['registers']} VGPRs, no spills"
+        )
+        # A head count's shortest swept window answers its every window (q_len "*"); the
+        # longer ones swept have their own buckets.
+        shortest = q_len == min(args.q_lens)
+        entries.append(
+            {
+                "heads": tables.head_bucket(heads),
+                "q_len": "*" if shortest else tables.q_len_bucket(q_len),
+                "kv": "fp8" if kv_kind == "fp8" else "16bit",
+                "config": config.to_dict(),
+                "source": source,
+            }
+        )
+        print(f"H{heads} S_q{q_len} {kv_kind}: {config}", file=sys.stderr)
+    # A table answers every lookup: a head bucket not swept takes its KV kind's choice for the
+    # fewest heads swept, and any other kind (fp32, a test dtype) the 16-bit one; neither was
+    # compiled for those shapes.
+    wildcards = []
+    for kind in ("16bit", "fp8", "*"):
+        of_kind = [e for e in entries if e["kv"] == (kind if kind != "*" else "16bit")]
+        if of_kind:
+            first = of_kind[0]
+            wildcards.append(
+                {
+                    **first,
+                    "heads": "*",
+                    "q_len": "*",
+                    "kv": kind,
+                    "source": f"unmeasured: the {first['heads']}-head bucket's "
+                    f"{first['kv']} choice of autotune --compiled, for the shapes and kinds "
+                    "with no entry of their own (not compiled for them)",
+                }
+            )
+    entries += wildcards
+    out = args.out or (
+        common.RESULTS_DIR / f"triton-tuned-{args.compiled}-compiled-triton-"
+        f"{triton.__version__}-{today}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "target": spec.table,
+                "device": f"none (compiled for {args.compiled})",
+                "environment": common.environment(),
+                "entries": entries,
+                "sweeps": report,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    tables.load_table_file(out)  # the file must load as a table
+    print(f"wrote {out}")
+    return out
 
 
 def make_problem(batch, context, heads, q_len, kv_kind, device, seed=0):
@@ -348,7 +552,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument(
         "--focused",
         action="store_true",
-        help="issue 37's candidates for the weak NVIDIA shapes (focused()) instead of the sweep",
+        help="the few candidates worth trying per shape (focused(): issue 37's for NVIDIA's weak "
+        "shapes, the CDNA tables' neighbourhood on AMD) instead of the sweep",
     )
     parser.add_argument(
         "--shape",
@@ -361,7 +566,28 @@ def main(argv: list[str] | None = None) -> Path:
         "--jobs", type=int, default=1, help="processes that compile the candidates first"
     )
     parser.add_argument("--out", type=Path, help="output JSON (default: benchmarks/results/...)")
+    parser.add_argument(
+        "--compiled",
+        metavar="KEY",
+        help="no GPU: choose on compiled evidence for this registry key (bench static's compile "
+        "and gates) instead of timing",
+    )
+    parser.add_argument(
+        "--triton",
+        metavar="VERSION|DIR",
+        help="with --compiled: compile with this Triton (as rocm-mla bench static --triton)",
+    )
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.compiled is not None:
+        if args.triton is not None:
+            from benchmarks import kernel_static as ks
+
+            is_version = re.fullmatch(r"\d+\.\d+\.\d+\S*", args.triton) is not None
+            folder = ks.triton_folder(args.triton)
+            version = args.triton if is_version else None
+            ks.use_triton(folder, argv, version, module="benchmarks.autotune_triton")
+        return compiled(args, parser)
     if not torch.cuda.is_available():
         parser.error("autotune needs a GPU (torch sees none)")
 

@@ -1,5 +1,5 @@
 """The compile-level gate of the Triton MLA decode (issues 20, 37): what the compiled code does
-on sm90, gfx942 and gfx950, measured without a GPU, under any Triton from 3.4 to 3.9.
+on the case targets (``CASE_TARGETS``), measured without a GPU, under any Triton from 3.4 to 3.9.
 
 For every case (a decode shape Kimi-K3 runs at, or H16 / H128) and batch (8, 32, 128 requests
 of a 32K context, page 64), the real host launcher ``mla_decode`` runs on ``meta`` tensors with
@@ -7,13 +7,15 @@ a stand-in ``TritonTarget`` for each GPU and with every ``@triton.jit`` function
 modules swapped for a recorder. Each recorded launch is specialized by Triton's own binder for
 that target (an int 1 becomes a constexpr, ints and pointers divisible by 16 get divisibility
 hints, HIP buffer ops only for tensors whose storage is under 2 GiB), compiled once per distinct
-specialization with ``triton.compile`` (two processes), and read back:
+specialization with the planner's own compile (``occupancy.compile_for``, two processes), and
+read back by ``benchmarks/isa.py``'s readers:
 
 - sm90: ``cuobjdump -res-usage`` (registers of the built cubin), Triton's ptxas log (spill bytes),
   the SASS of the main loop (the body of the innermost backward branch that holds the most
   matrix instructions), the TTGIR (shared buffers, async copies, register round trips).
-- gfx942 / gfx950: the amdgcn text (``NumVgprs``, ``NumAgprs``, SGPRs, spill counts, the
-  main loop's blocks by LLVM's loop comments) and the TTGIR.
+- AMD: the amdgcn text (``NumVgprs``, ``NumAgprs`` where the target has AGPRs, SGPRs, spill
+  counts, LLVM's occupancy, the main loop's blocks by LLVM's loop comments; MFMA on CDNA3/4,
+  WMMA on gfx1250) and the TTGIR.
 
 In both, the main loop's shared-memory loads and stores are counted by opcode and width
 (sm90 ``LDS``/``STS``/``LDSM``/``STSM`` with their suffixes, AMD ``ds_read``/``ds_write``/
@@ -89,7 +91,6 @@ import argparse
 import concurrent.futures
 import contextlib
 import functools
-import inspect
 import io
 import itertools
 import json
@@ -108,7 +109,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, isa
 
 #: Latent row width (576 = 512 V columns + 64 rope) and V width of Kimi-K3 / DeepSeek MLA.
 HEAD_DIM, HEAD_DIM_V = 576, 512
@@ -143,18 +144,23 @@ class GpuTarget:
     arch: str  #: TritonTarget arch
     units: int  #: SMs / CUs
     device: str
-    hbm_bytes_per_s: float
-    #: dense matrix peaks, FLOP/s, by operand kind ("16bit", "fp8")
-    matrix_flops: dict = field(hash=False, compare=False)
+    hbm_bytes_per_s: float | None  #: None: unknown (no roofline ceiling)
+    #: dense matrix peaks, FLOP/s, by operand kind ("16bit", "fp8"); None: unknown
+    matrix_flops: dict | None = field(hash=False, compare=False)
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
 
     @classmethod
     def of(cls, key: str) -> GpuTarget:
-        """The registry's record of ``key`` as a compile target, with its default product."""
+        """The registry's record of ``key`` as a compile target, with its default product; a
+        target with no known product is planned over ``STAND_IN_UNITS`` and has no
+        datasheet ceilings."""
         from rocm_mla.targets import TARGETS as REGISTRY
 
         spec = REGISTRY[key]
         product = spec.product
+        if product is None:
+            return cls(key, spec.backend, spec.archs[0], STAND_IN_UNITS, "unknown", None, None,
+                       spec.fp8_dtype)  # fmt: skip
         return cls(
             key,
             spec.backend,
@@ -166,14 +172,6 @@ class GpuTarget:
             spec.fp8_dtype,
         )
 
-    def gpu_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        wave_size = self.triton_target().spec.wave_size
-        if self.backend == "cuda":
-            return GPUTarget("cuda", int(self.arch.removeprefix("sm")), wave_size)
-        return GPUTarget("hip", self.arch, wave_size)
-
     def triton_target(self):
         from rocm_mla.kernels.target import TritonTarget
 
@@ -183,7 +181,11 @@ class GpuTarget:
 #: The case list of targets: the registry keys bench static compiles for by default (``--targets``
 #: picks a subset). tests/test_targets.py allows arch names in code only in the registry and
 #: in case lists like this one.
-CASE_TARGETS = ("sm90", "gfx942", "gfx950")
+CASE_TARGETS = ("sm90", "gfx942", "gfx950", "gfx1250")
+#: CUs a target with no known product is planned over (the registry's unknown CU count): a
+#: stand-in, MI355X's 256, so that the schedule's gates (waves, fill) have a grid to judge;
+#: its figures are about that count, not the product's.
+STAND_IN_UNITS = 256
 TARGETS = {key: GpuTarget.of(key) for key in CASE_TARGETS}
 
 
@@ -373,8 +375,9 @@ def schedule_facts(
     }
 
 
-def record_case(case: Case, target: GpuTarget, batch: int) -> dict:
-    """Plan and "launch" one decode step of ``case`` at ``batch`` requests on ``target``."""
+def record_case(case: Case, target: GpuTarget, batch: int, config=None) -> dict:
+    """Plan and "launch" one decode step of ``case`` at ``batch`` requests on ``target``, with
+    the tuned table's config or ``config`` (a ``LaunchConfig``, as autotune's candidates)."""
     from rocm_mla.kernels import mla_decode as md
     from rocm_mla.kernels import schedule as sch
 
@@ -392,6 +395,7 @@ def record_case(case: Case, target: GpuTarget, batch: int) -> dict:
         num_heads=case.heads,
         kv_dtype=kv_dtype,
         target=tt,
+        config=config,
         q_dtype=torch.bfloat16,
         head_dim=HEAD_DIM,
         head_dim_v=HEAD_DIM_V,
@@ -445,8 +449,10 @@ def specialize(launch: Launch, target: GpuTarget) -> dict:
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
+    from rocm_mla.kernels.occupancy import gpu_target
+
     fn = _jit_function(launch)
-    backend = make_backend(target.gpu_target())
+    backend = make_backend(gpu_target(target.triton_target()))
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     # The options JITFunction.run adds before binding, as far as this Triton has them.
     kwargs = dict(launch.kwargs)
@@ -515,22 +521,13 @@ def _compile_key(request: dict) -> str:
 # ---- compiling and reading the code -------------------------------------------------------
 
 
-def _triton_bin(name: str) -> Path:
-    import triton
-
-    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
-    if not path.exists():
-        raise FileNotFoundError(f"kernel_static: {path} is missing from the Triton wheel")
-    return path
-
-
 def build(request: dict) -> tuple:
     """``(compiled kernel, Triton's own ptxas log or "", seconds)`` of one compile request."""
-    import triton
     from triton import knobs
     from triton.compiler import ASTSource
 
     import rocm_mla.kernels.mla_decode  # noqa: F401
+    from rocm_mla.kernels.occupancy import compile_for
 
     target = TARGETS[request["target"]]
     fn = getattr(sys.modules[request["module"]], request["kernel"])
@@ -541,10 +538,10 @@ def build(request: dict) -> tuple:
     log = io.StringIO()
     start = time.perf_counter()
     with contextlib.redirect_stdout(log):
-        kernel = triton.compile(
+        kernel = compile_for(
             ASTSource(fn, request["signature"], request["constexprs"], request["attrs"]),
-            target=target.gpu_target(),
-            options=request["options"],
+            target.triton_target(),
+            request["options"],
         )
     return kernel, log.getvalue(), time.perf_counter() - start
 
@@ -626,7 +623,7 @@ def compile_and_read(request: dict) -> dict:
     if target.backend == "cuda":
         fp_fusion = request["options"]["enable_fp_fusion"]
         info.update(
-            read_cuda(
+            isa.read_cuda(
                 kernel.asm["ptx"],
                 kernel.asm["cubin"],
                 ptxas_log,
@@ -636,390 +633,15 @@ def compile_and_read(request: dict) -> dict:
             )
         )
     else:
-        info.update(read_amdgcn(kernel.asm["amdgcn"], request.get("excerpt", False)))
-    info["ttgir"] = read_ttgir(kernel.asm["ttgir"])
+        agprs = target.triton_target().spec.residency.agprs
+        info.update(
+            isa.read_amdgcn(kernel.asm["amdgcn"], request.get("excerpt", False), agprs=agprs)
+        )
+    info["ttgir"] = isa.read_ttgir(kernel.asm["ttgir"])
     return info
 
 
-def read_cuda(
-    ptx: str,
-    cubin: bytes,
-    ptxas_log: str,
-    fp_fusion: bool,
-    excerpt: bool = False,
-    *,
-    capability: int,
-) -> dict:
-    """Registers (the cubin's), spill bytes (ptxas's log of that build) and the SASS loop.
-
-    ``ptxas_log`` is what Triton's own ptxas run printed; on a Triton cache hit there was no
-    run, so ptxas runs again with the flags Triton passes for compute ``capability`` (90:
-    ``sm_90a``; same registers, checked)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx_path, cubin_path = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        ptx_path.write_text(ptx)
-        cubin_path.write_bytes(cubin)
-        if "bytes spill stores" not in ptxas_log:
-            # Triton 3.6 on picks ptxas by arch; 3.4 and 3.5 have one.
-            ptxas = (
-                get_ptxas(capability) if inspect.signature(get_ptxas).parameters else get_ptxas()
-            )
-            command = [ptxas.path, "-lineinfo", "-v", "--regAllocOptLevel=2"]
-            command += [] if fp_fusion else ["--fmad=false"]
-            gpu = f"--gpu-name=sm_{capability}a"
-            command += [gpu, str(ptx_path), "-o", str(Path(tmp) / "v.cubin")]
-            ptxas_log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
-
-        def cuobjdump(flag: str) -> str:
-            command = [str(_triton_bin("cuobjdump")), flag, str(cubin_path)]
-            return subprocess.run(command, capture_output=True, text=True, check=True).stdout
-
-        usage, sass = cuobjdump("-res-usage"), cuobjdump("-sass")
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
-    used = re.search(r"Used (\d+) registers", ptxas_log)
-    regs = re.search(r"REG:(\d+)", usage)
-    if spills is None or regs is None or used is None:
-        raise RuntimeError(
-            f"kernel_static: unreadable ptxas/cuobjdump output:\n{ptxas_log}\n{usage}"
-        )
-    if used.group(1) != regs.group(1):
-        raise RuntimeError(
-            f"kernel_static: ptxas's log says {used.group(1)} registers, the cubin "
-            f"{regs.group(1)}: the log is not of this build"
-        )
-    return {
-        "regs_per_thread": int(regs.group(1)),
-        "spill_store_bytes": int(spills.group(1)),
-        "spill_load_bytes": int(spills.group(2)),
-        "loop": read_sass_loop(sass, excerpt),
-    }
-
-
-_SASS_LINE = re.compile(
-    r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);"
-)
-_SASS_MMA = re.compile(r"^(HGMMA|QGMMA|HMMA|QMMA)\.(\d+x\d+x\d+|\d+)\.(.*)$")
-#: SASS opcodes counted in the loop, by prefix.
-_SASS_COUNTED = ("LDGSTS", "UTMALDG", "LDG", "LDS", "LDSM", "STS", "STL", "LDL", "MUFU.EX2", "BAR")
-
-
-def _sass_matrix_shape(opcode: str) -> tuple[int, int, int, str] | None:
-    match = _SASS_MMA.match(opcode)
-    if match is None:
-        return None
-    family, shape, types = match.groups()
-    if "x" in shape:
-        m, n, k = (int(v) for v in shape.split("x"))
-    else:  # mma.sync: "16816" is m16 n8 k16, "16832" m16 n8 k32
-        m, n, k = int(shape[:2]), int(shape[2]), int(shape[3:])
-    kind = "fp8" if family.startswith("Q") or "E4M3" in types or "E5M2" in types else "16bit"
-    return m, n, k, kind
-
-
-def read_sass_loop(sass: str, excerpt: bool = False) -> dict:
-    """Counts in the body of the first innermost backward branch (a loop holding no other
-    loop with matrix ops) with the most matrix ops; with ``excerpt`` also its SASS lines
-    (without their encodings), which this reader reads back to the same counts."""
-    instructions = [
-        (int(m.group(1), 16), m.group(2), m.group(3)) for m in _SASS_LINE.finditer(sass)
-    ]
-    loops = []
-    for addr, opcode, operands in instructions:
-        target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
-        if target is not None and int(target.group(1), 16) < addr:
-            start = int(target.group(1), 16)
-            body = [op for a, op, _ in instructions if start <= a <= addr]
-            if "EXIT" in body:
-                # Not a loop: a divergent-branch fallback placed after the kernel's end
-                # (``BRA.DIV``) jumps back to where it left.
-                continue
-            matrix = sum(_sass_matrix_shape(op) is not None for op in body)
-            loops.append((matrix, -addr, body, (start, addr)))
-    if not loops:
-        return {"found": False}
-    # A loop around the KV walk (stage 1's loop over its slot's segments) holds its matrix
-    # ops too, and the pipeliner's peeled ones: only loops that hold no other loop with
-    # matrix ops are the walk's candidates.
-    spans = [span for matrix, _, _, span in loops if matrix]
-    loops = [
-        loop
-        for loop in loops
-        if not any(s != loop[3] and loop[3][0] <= s[0] and s[1] <= loop[3][1] for s in spans)
-    ]
-    # The first of the loops with the most matrix ops, as in the TTGIR (a verify window's
-    # walk over the tiles every row sees comes first).
-    _, _, body, (first, last) = max(loops, key=lambda loop: loop[:2])
-    matrix: dict[str, int] = {}
-    counts = dict.fromkeys(_SASS_COUNTED, 0)
-    for op in body:
-        if _sass_matrix_shape(op) is not None:
-            matrix[op] = matrix.get(op, 0) + 1
-        for prefix in _SASS_COUNTED:
-            if op == prefix or op.startswith(prefix + "."):
-                counts[prefix] += 1
-    loop = {
-        "found": True,
-        "instructions": len(body),
-        "matrix": matrix,
-        "counts": counts,
-        "shared": _shared_counts(body, "cuda"),
-    }
-    if excerpt:
-        loop["excerpt"] = "\n".join(
-            " ".join(m.group(0).split())
-            for m in _SASS_LINE.finditer(sass)
-            if first <= int(m.group(1), 16) <= last
-        )
-    return loop
-
-
-_AMD_MFMA = re.compile(r"^v_mfma_(?:scale_)?[a-z0-9]+?_(\d+)x(\d+)x(\d+)_?([a-z0-9_]*)$")
-#: amdgcn mnemonics counted in the loop, by prefix.
-_AMD_COUNTED = (
-    "buffer_load",
-    "global_load",
-    "ds_read",
-    "ds_write",
-    "ds_load",
-    "ds_store",
-    "s_waitcnt",
-    "s_barrier",
-    "scratch_",
-    "buffer_store",
-    "v_accvgpr_read",
-    "v_accvgpr_write",
-    "v_exp_f32",
-)
-
-
-def _amd_matrix_shape(mnemonic: str) -> tuple[int, int, int, str] | None:
-    match = _AMD_MFMA.match(mnemonic)
-    if match is None:
-        return None
-    m, n, k = (int(v) for v in match.groups()[:3])
-    kind = "fp8" if re.search(r"fp8|bf8|f8", match.group(4)) else "16bit"
-    return m, n, k, kind
-
-
-def read_amdgcn(text: str, excerpt: bool = False) -> dict:
-    def number(pattern: str) -> int:
-        match = re.search(pattern, text)
-        if match is None:
-            raise RuntimeError(f"kernel_static: {pattern!r} not in the amdgcn text")
-        return int(match.group(1))
-
-    return {
-        "regs_per_thread": number(r"; NumVgprs: (\d+)"),
-        "agprs_per_thread": number(r"; NumAgprs: (\d+)"),
-        "sgprs_per_wave": number(r"\.sgpr_count:\s+(\d+)"),
-        "vgpr_spill_count": number(r"\.vgpr_spill_count:\s+(\d+)"),
-        "sgpr_spill_count": number(r"\.sgpr_spill_count:\s+(\d+)"),
-        "scratch_bytes": number(r"; ScratchSize: (\d+)"),
-        "loop": read_amdgcn_loop(text, excerpt),
-    }
-
-
-def read_amdgcn_loop(text: str, excerpt: bool = False) -> dict:
-    """Counts in the blocks of the innermost loop (LLVM's ``Loop Header`` / ``in Loop:
-    Header=`` block comments, which name a block's innermost loop) that holds the most
-    MFMAs, among the loops that enclose no other loop with MFMAs (stage 1's loop over its
-    slot's segments holds the KV walk, and the pipeliner's peeled iterations); with
-    ``excerpt`` also the loop's blocks as text (labels, their loop comments and the
-    instructions), which this reader reads back to the same counts."""
-    blocks: dict[str, list[str]] = {}
-    lines: dict[str, list[str]] = {}  # loop header -> its blocks' lines, for the excerpt
-    enclosing: dict[str, set[str]] = {}  # loop header -> the loops around it
-    current = None
-    label, notes = None, ""  # a block whose label comments (one line or more) are being read
-    heading: list[str] = []  # that block's label and comment lines
-
-    def settle() -> None:
-        nonlocal current, label, notes
-        if label is None:
-            return
-        member = re.search(r"in Loop: Header=BB(\d+_\d+) Depth=\d+", notes)
-        if label and re.search(r"Loop Header: Depth=\d+", notes):
-            current = label
-            enclosing[label] = set(re.findall(r"Parent Loop BB(\d+_\d+) Depth=\d+", notes))
-        else:
-            current = member.group(1) if member else None
-        if current is not None:
-            lines.setdefault(current, []).extend(heading)
-        label, notes = None, ""
-
-    for line in text.splitlines():
-        block = re.match(r"^(?:\.LBB(\d+_\d+):|; %bb\.\d+:)(.*)", line)
-        if block:
-            label, notes, current = block.group(1) or "", block.group(2), None
-            heading = [line]
-            continue
-        if re.match(r"^\s*;", line):
-            if label is not None:
-                notes += line
-                heading.append(line)
-            continue
-        if re.match(r"^\s*(\.|$)", line) or re.match(r"^[A-Za-z_.]\S*:", line):
-            if re.match(r"^[A-Za-z_]\S*:", line):
-                label, current = None, None
-            continue
-        settle()
-        if current is not None:
-            blocks.setdefault(current, []).append(line.split()[0])
-            lines[current].append(line)
-    if not blocks:
-        return {"found": False}
-
-    def mfmas(ops: list[str]) -> int:
-        return sum(_amd_matrix_shape(op) is not None for op in ops)
-
-    outer = {o for loop, ops in blocks.items() if mfmas(ops) for o in enclosing.get(loop, ())}
-    header = max((loop for loop in blocks if loop not in outer), key=lambda h: mfmas(blocks[h]))
-    body = blocks[header]
-    matrix: dict[str, int] = {}
-    counts = dict.fromkeys(_AMD_COUNTED, 0)
-    for op in body:
-        if _amd_matrix_shape(op) is not None:
-            matrix[op] = matrix.get(op, 0) + 1
-        for prefix in _AMD_COUNTED:
-            if op.startswith(prefix):
-                counts[prefix] += 1
-    direct_to_lds = len(re.findall(r"^\s*(?:buffer|global)_load\S*.*\blds\b", "\n".join(body)))
-    loop = {
-        "found": True,
-        "instructions": len(body),
-        "matrix": matrix,
-        "counts": counts,
-        "shared": _shared_counts(body, "hip"),
-        "direct_to_lds_loads": direct_to_lds,
-    }
-    if excerpt:
-        loop["excerpt"] = "\n".join(lines[header])
-    return loop
-
-
-# ---- shared-memory accesses by width ---------------------------------------------------------
-
-#: sm90 SASS shared loads and stores: ``LDS``/``STS`` (``.U8``/``.S8``: a byte, ``.U16``/``.S16``
-#: 16 bits, ``.64``/``.128``, none: 32 bits a thread) and the matrix forms ``LDSM``/``STSM``
-#: (``.16.M88``/``.MT88`` with ``.2``/``.4``: one, two or four 8x8 matrices of 16-bit values,
-#: 32 bits a thread each, read as 16-byte rows).
-_SASS_SHARED = re.compile(r"^(LDS|STS|LDSM|STSM)(\.[A-Z0-9.]+)?$")
-#: AMD LDS accesses: ``ds_read_*``/``ds_write_*`` and their newer names ``ds_load_*``/
-#: ``ds_store_*``, the ``2``/``2st64`` forms doing two accesses, a type of ``b``/``u``/``i`` and
-#: its bits (gfx950's transposing reads ``ds_read_b64_tr_b16`` move 64 bits a lane).
-_AMD_SHARED = re.compile(
-    r"^ds_(read|write|load|store)(2st64|2)?_(?:addtid_)?[biu](\d+)(_tr\w*)?(_d16\w*)?$"
-)
-
-
-def _shared_counts(body: list[str], backend: str) -> dict[str, int]:
-    """The shared-memory loads and stores of a loop body, by full opcode."""
-    pattern = _SASS_SHARED if backend == "cuda" else _AMD_SHARED
-    counts: dict[str, int] = {}
-    for op in body:
-        if pattern.match(op):
-            counts[op] = counts.get(op, 0) + 1
-    return dict(sorted(counts.items()))
-
-
-def shared_access(op: str, backend: str) -> tuple[int, int]:
-    """``(bits one access moves per thread / lane, accesses the instruction makes)`` of a
-    shared-memory opcode (``_shared_counts``'s keys)."""
-    if backend == "cuda":
-        family, *tokens = op.split(".")
-        if family in ("LDSM", "STSM"):
-            matrices = 4 if "4" in tokens else 2 if "2" in tokens else 1
-            return 32 * matrices, 1
-        for names, bits in (
-            (("U8", "S8"), 8),
-            (("U16", "S16"), 16),
-            (("64",), 64),
-            (("128",), 128),
-        ):
-            if any(t in names for t in tokens):
-                return bits, 1
-        return 32, 1
-    match = _AMD_SHARED.match(op)
-    if match is None:
-        raise ValueError(f"kernel_static: {op!r} is not an LDS load or store")
-    return int(match.group(3)), 2 if match.group(2) else 1
-
-
-_TENSOR = re.compile(r"tensor<([0-9x]+)x[A-Za-z0-9!.<>]+?[,>]")
-_MEMDESC_ALLOC = re.compile(
-    r"(%[\w#]+) = ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<([0-9x]+)x"
-)
-
-
-def _dims(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split("x"))
-
-
-def read_ttgir(text: str) -> dict:
-    """Shared buffers, async copies and register round trips of the KV loop in TTGIR.
-
-    Returns the raw facts; ``_kv_facts`` interprets them with the tile shape."""
-    lines = text.splitlines()
-    loops, depth, stack = [], 0, []
-    for i, line in enumerate(lines):
-        code = re.sub(r'"[^"]*"', "", line)
-        if "scf.for" in code and code.rstrip().endswith("{"):
-            stack.append((i, depth))
-        depth += code.count("{") - code.count("}")
-        while stack and depth <= stack[-1][1]:
-            start, _ = stack.pop()
-            loops.append((start, i))
-    dots = ("tt.dot ", "ttng.warp_group_dot ", "tt.dot_scaled ")
-
-    def dot_count(span) -> int:
-        return sum(any(d in lines[j] for d in dots) for j in range(span[0], span[1] + 1))
-
-    # Only loops that hold no other loop with dots: the KV walk and a causal verify window's
-    # tail tiles, not stage 1's loop over its slot's segments around them.
-    dotted = [span for span in loops if dot_count(span)]
-    loops = [
-        (a, b) for a, b in loops if not any((a, b) != s and a <= s[0] and s[1] <= b for s in dotted)
-    ]
-    # The first of the loops with the most dots: the KV walk (a causal verify window's tail
-    # tiles come after it, in a loop of their own).
-    main = max(loops, key=dot_count, default=None)
-    allocs = [(m.group(1), _dims(m.group(2))) for m in _MEMDESC_ALLOC.finditer(text)]
-    facts: dict = {
-        "multi_buffer_allocs": [list(dims) for _, dims in allocs],
-        "loop_found": main is not None,
-    }
-    if main is None:
-        return facts
-    body = lines[main[0] : main[1] + 1]
-    # The buffers the main loop itself uses (another loop, e.g. a verify window's guarded
-    # tail, may have its own).
-    used = set(re.findall(r"%[\w#]+", "\n".join(body)))
-    facts["multi_buffer_allocs"] = [list(dims) for name, dims in allocs if name in used]
-    facts["loop_ops"] = _loop_ops(body)
-    # The other loops with dots (a verify window's tail tiles): checked for round trips too.
-    facts["other_loop_ops"] = [
-        _loop_ops(lines[a : b + 1]) for a, b in loops if (a, b) != main and dot_count((a, b))
-    ]
-    return facts
-
-
-def _loop_ops(body: list[str]) -> list[tuple]:
-    """``(result, op, operands, rest)`` of each op line of a loop body."""
-    ops = []
-    for line in body:
-        match = re.match(r"\s*(%[\w#:]+)(?:, %[\w#]+)* = ([\w.]+)(.*)", line)
-        if match:
-            result, op, rest = match.groups()
-            operands = re.findall(r"%[\w#]+", rest.split(" : ")[0])
-            ops.append((result.split(":")[0], op, operands, rest))
-        else:
-            match = re.match(r"\s*([\w.]+) (.*)", line)
-            if match:
-                operands = re.findall(r"%[\w#]+", match.group(2).split(" : ")[0])
-                ops.append((None, match.group(1), operands, match.group(2)))
-    return ops
+# ---- what the KV loop does with its tiles ---------------------------------------------------
 
 
 def _round_trips(ops: list[tuple], tile_shaped) -> tuple[list[str], set[str]]:
@@ -1050,12 +672,8 @@ def _kv_facts(ttgir: dict, block_n: int) -> dict:
     kv_allocs = [a for a in ttgir["multi_buffer_allocs"] if len(a) == 3 and block_n in a[1:]]
     ops = ttgir.get("loop_ops", [])
 
-    def shape(types: str) -> tuple[int, ...] | None:
-        match = _TENSOR.search(types)
-        return _dims(match.group(1)) if match else None
-
     def kv_shaped(types: str) -> bool:
-        dims = shape(types.split("->")[-1])
+        dims = isa.tensor_shape(types.split("->")[-1])
         return dims is not None and len(dims) == 2 and block_n in dims
 
     in_loop_allocs = [
@@ -1074,7 +692,7 @@ def _kv_facts(ttgir: dict, block_n: int) -> dict:
     # Loaded in one trip, used in the next: carried in registers through the loop's yield.
     yielded = {loaded_as[o] for op in ops if op[1] == "scf.yield" for o in op[2] if o in loaded_as}
     register_loads = [
-        (op[0], shape(op[3]))
+        (op[0], isa.tensor_shape(op[3]))
         for op in ops
         if op[1] in ("tt.load", "amdg.buffer_load") and kv_shaped(op[3])
     ]
@@ -1111,7 +729,7 @@ def _kv_facts(ttgir: dict, block_n: int) -> dict:
     waits = [re.search(r"num = (\d+)", op[3]) for op in ops if op[1] == "ttg.async_wait"]
 
     def two_d(types: str) -> bool:
-        dims = shape(types.split("->")[-1])
+        dims = isa.tensor_shape(types.split("->")[-1])
         return dims is not None and len(dims) == 2
 
     def guarded(loop_ops, from_smem) -> bool:
@@ -1150,10 +768,9 @@ def _kv_facts(ttgir: dict, block_n: int) -> dict:
 
 def _matrix_work(info: dict, target: GpuTarget) -> dict:
     """MACs issued per KV tile by one program, and their kinds, from the loop's counts."""
-    shape_of = _sass_matrix_shape if target.backend == "cuda" else _amd_matrix_shape
     macs, by_kind = 0, {"16bit": 0, "fp8": 0}
     for op, count in info["loop"].get("matrix", {}).items():
-        m, n, k, kind = shape_of(op)
+        m, n, k, kind = isa.matrix_shape(op, target.backend)
         # wgmma is one instruction per warpgroup (4 warps); mma.sync / MFMA run per warp/wave.
         issuers = info["num_warps"] / 4 if "GMMA" in op else info["num_warps"]
         work = count * m * n * k * issuers
@@ -1214,9 +831,14 @@ def analyze(case: Case, target: GpuTarget, plans: list[dict] | dict, kernels: di
         )
         kv_bytes = 1 if case.kv == "fp8" else 2
         tile_bytes = config["block_n"] * HEAD_DIM * kv_bytes
-        tensor_seconds = plan["num_groups"] * sum(
-            2 * macs / target.matrix_flops[kind]
-            for kind, macs in work["issued_macs_by_kind"].items()
+        tensor_seconds = (
+            plan["num_groups"]
+            * sum(
+                2 * macs / target.matrix_flops[kind]
+                for kind, macs in work["issued_macs_by_kind"].items()
+            )
+            if target.matrix_flops and target.hbm_bytes_per_s
+            else None
         )
         ceiling = tile_bytes / tensor_seconds / target.hbm_bytes_per_s if tensor_seconds else None
         per_batch.append(
@@ -1263,7 +885,7 @@ def shared_facts(loop: dict, backend: str, num_warps: int, kv_tile_bytes: int) -
     by_width: dict[int, int] = {}
     moved = 0
     for op, count in loop.get("shared", {}).items():
-        bits, accesses = shared_access(op, backend)
+        bits, accesses = isa.shared_access(op, backend)
         by_width[bits] = by_width.get(bits, 0) + count * accesses
         moved += count * accesses * bits // 8 * threads
     return {
@@ -1331,14 +953,13 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
         key: sorted(kernels[key]["loop"].get("matrix", {}))
         for key in {b["stage1"] for b in per_batch}
     }
-    shape_of = _sass_matrix_shape if target.backend == "cuda" else _amd_matrix_shape
     # An fp8 cache: Q.K^T runs fp8 matrix ops on the tile as stored, P.V fp16 ones on V
     # converted as loaded (an fp8 P.V needs V transposed byte by byte: the narrow gate); a
     # bf16 op means the tile was upcast to q's type, the fp8 cache's bytes bought nothing.
     result["fp8_matrix_op"] = _gate(
         case.kv == "fp8",
         all(
-            any(shape_of(op)[3] == "fp8" for op in ops)
+            any(isa.matrix_shape(op, target.backend)[3] == "fp8" for op in ops)
             and not any("BF16" in op.upper() for op in ops)
             for ops in kinds.values()
         ),
@@ -1482,19 +1103,25 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
 # ---- the run --------------------------------------------------------------------------------
 
 
-def record_target(cases: tuple[Case, ...], target: GpuTarget) -> tuple[dict, dict]:
-    """Every case's planned launches on ``target`` at each batch: ``(plans by (case,
-    target), compile requests by key)``. The planner's residency compiles dominate; they are
-    cached per process, and the cases of one target share most of them."""
+def record_target(
+    cases: tuple[Case, ...],
+    target: GpuTarget,
+    configs: dict | None = None,
+    batches: tuple[int, ...] = BATCHES,
+) -> tuple[dict, dict]:
+    """Every case's planned launches on ``target`` at each of ``batches``: ``(plans by (case,
+    target), compile requests by key)``; ``configs`` forces a case's config (by case name).
+    The planner's residency compiles dominate; they are cached per process, and the cases of
+    one target share most of them."""
     plans: dict[tuple[str, str], list[dict] | dict] = {}
     requests: dict[str, dict] = {}
     for case in cases:
-        for batch in BATCHES:
+        for batch in batches:
             # Planning compiles stage 1 (its residency): a Triton that cannot build the
             # config, or a planner that refuses this Triton by name, ends the case here.
             with compiler_stderr() as diagnostics:
                 try:
-                    plan = record_case(case, target, batch)
+                    plan = record_case(case, target, batch, (configs or {}).get(case.name))
                     failure = None
                 except Exception as error:  # reported as the case's "compiles" gate
                     failure = error
@@ -1557,18 +1184,30 @@ def run(
     targets: list[GpuTarget],
     workers: int = 2,
     loops_dir: Path | None = None,
+    configs: dict | None = None,
+    batches: tuple[int, ...] = BATCHES,
 ) -> dict:
-    """Record, compile and gate ``cases`` on ``targets``; with ``loops_dir``, write there the
-    KV loop of each case's stage 1 at B 32 on each target (``write_loop_excerpts``)."""
+    """Record, compile and gate ``cases`` on ``targets`` at ``batches``; with ``loops_dir``,
+    write there the KV loop of each case's stage 1 at B 32 on each target
+    (``write_loop_excerpts``); ``configs`` forces a case's config (``{case name:
+    LaunchConfig}``, autotune's candidates)."""
     start = time.perf_counter()
     plans: dict[tuple[str, str], list[dict]] = {}
     requests: dict[str, dict] = {}
     pool = spawn_pool(workers)
     if pool is not None:
-        # One target per worker: each plans its cases (with its own residency cache).
-        recorded = [f.result() for f in [pool.submit(record_target, cases, t) for t in targets]]
+        # One target per worker, each planning its cases with its own residency cache; with
+        # more workers than targets, a target's cases are split among them.
+        parts = max(1, workers // len(targets))
+        chunks = [cases[i::parts] for i in range(parts)]
+        futures = [
+            pool.submit(record_target, chunk, t, configs, batches)
+            for t in targets
+            for chunk in chunks
+        ]
+        recorded = [f.result() for f in futures]
     else:
-        recorded = [record_target(cases, target) for target in targets]
+        recorded = [record_target(cases, target, configs, batches) for target in targets]
     for target_plans, target_requests in recorded:
         plans.update(target_plans)
         for key, request in target_requests.items():
@@ -1608,7 +1247,7 @@ def run(
         "targets": {t.key: asdict(t) | {"fp8_dtype": str(t.fp8_dtype)} for t in targets},
         "context": CONTEXT,
         "page_size": PAGE_SIZE,
-        "batches": list(BATCHES),
+        "batches": list(batches),
         "thresholds": {
             "max_issued_over_useful": MAX_ISSUED_OVER_USEFUL,
             "compute_bound_rows": COMPUTE_BOUND_ROWS,
@@ -1875,9 +1514,12 @@ def triton_folder(spec: str) -> Path:
     )
 
 
-def use_triton(folder: Path, argv: list[str], version: str | None) -> None:
-    """Run this command again with the Triton in ``folder`` first on ``PYTHONPATH`` (its
-    compile workers inherit it), unless that is the Triton this process imports already."""
+def use_triton(
+    folder: Path, argv: list[str], version: str | None, module: str = "benchmarks.kernel_static"
+) -> None:
+    """Run this command (``python -m module argv``) again with the Triton in ``folder`` first
+    on ``PYTHONPATH`` (its compile workers inherit it), unless that is the Triton this process
+    imports already."""
     import importlib.util
 
     found = importlib.util.find_spec("triton")
@@ -1887,7 +1529,7 @@ def use_triton(folder: Path, argv: list[str], version: str | None) -> None:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(folder), str(root), env.get("PYTHONPATH", "")) if p
         )
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.kernel_static", *argv], env)
+        os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
     import triton
 
     if version is not None and triton.__version__ != version:
@@ -1921,6 +1563,26 @@ def use_hip_linker() -> None:
         os.environ["TRITON_HIP_LLD_PATH"] = found
 
 
+def default_targets() -> tuple[list[str], list[str]]:
+    """``(the case targets whose Triton floor, the registry's, the imported Triton meets, a
+    line for each left out)``: below its floor the planner refuses every case of a target
+    (naming it in ``--targets`` compiles it anyway, each case refused with the reason)."""
+    from rocm_mla.kernels.target import SUPPORTED_TRITON, triton_version
+
+    here = triton_version()
+    names, left_out = [], []
+    for key, target in TARGETS.items():
+        floor = SUPPORTED_TRITON.floor(target.triton_target())
+        if here is None or here >= floor:
+            names.append(key)
+        else:
+            left_out.append(
+                f"bench static: {key} left out, its Triton floor is "
+                f"{'.'.join(map(str, floor))} and this Triton is {'.'.join(map(str, here))}"
+            )
+    return names, left_out
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.kernel_static", description=__doc__.split("\n\n")[0]
@@ -1934,8 +1596,8 @@ def main(argv: list[str] | None = None) -> Path:
     )
     parser.add_argument(
         "--targets",
-        default=",".join(TARGETS),
-        help=f"comma-separated subset of {','.join(TARGETS)}",
+        help=f"comma-separated subset of {','.join(TARGETS)} (default: those whose Triton floor "
+        "the Triton compiling meets)",
     )
     parser.add_argument(
         "--triton",
@@ -1964,7 +1626,7 @@ def main(argv: list[str] | None = None) -> Path:
         args.render.with_suffix(".md").write_text(markdown(payload))
         plot(payload, args.render.with_suffix(".png"))
         return args.render
-    names = [t for t in args.targets.split(",") if t]
+    names = [t for t in (args.targets or ",".join(TARGETS)).split(",") if t]
     unknown = [t for t in names if t not in TARGETS]
     if unknown or not names:
         parser.error(f"--targets: expected a subset of {','.join(TARGETS)}, got {args.targets!r}")
@@ -1984,9 +1646,16 @@ def main(argv: list[str] | None = None) -> Path:
     use_hip_linker()
     import triton
 
+    defaults, left_out = default_targets()
+    if args.targets is None:
+        names = defaults
+        for line in left_out:
+            print(line, file=sys.stderr)
     payload = run(cases, [TARGETS[t] for t in names], workers=args.workers, loops_dir=args.loops)
-    # Named by the Triton and, unless every case ran, the selection.
+    # Named by the Triton and, unless every case ran on the default targets, the selection.
     selection = "-cases" if args.case else "-reduced" if args.cases == "reduced" else ""
+    if names != defaults:
+        selection += "-" + "-".join(names)
     stem = f"kernel-static{selection}-triton-{triton.__version__}"
     path = common.write_results(stem, payload, args.out)
     path.with_suffix(".md").write_text(markdown(payload))

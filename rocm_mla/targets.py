@@ -194,6 +194,35 @@ _CDNA3 = _cdna(64 << 10, 512)
 #: (AMDGPUUsage: GFX950 ``roundup(lds-size / (320 * 4))``).
 _CDNA4 = _cdna(160 << 10, 1280)
 
+#: gfx1250, CDNA5 (Triton 3.9's ``AMDWMMALayout`` docs: "3: CDNA5: gfx1250"). LLVM AMDGPU.td,
+#: ``FeatureISAVersion12_50`` (llvm-project 001c38d03e77): ``FeatureWavefrontSize32``,
+#: ``FeatureCuMode``, ``Feature1024AddressableVGPRs``, ``FeatureAddressableLocalMemorySize327680``
+#: and no ``FeatureMAIInsts`` (no MFMA, no AGPR file: its matrix ops are WMMA on arch VGPRs). LDS:
+#: 320 KB a CU, allocated in blocks of 512 dwords (2 KB; AMDGPUUsage's GFX125* row, llvm-project
+#: commit 5f38ae4, "update LDS block size for gfx1250"). LLVM's ``getEUsPerCU``: "GFX12.5 only
+#: supports CU mode, which contains four SIMDs". Register file: LLVM's ``getTotalNumVGPRs`` gives
+#: wave32 targets of gfx10 and later without ``Feature1_5xVGPRs`` 1024 VGPRs a lane, allocated in
+#: granules of 16 (``getVGPRAllocGranule``, gfx10.3 and later, wave32), and ``getMaxWavesPerEU`` 16
+#: waves a SIMD for gfx10.3 and later; Triton 3.9's gfx1250 builds report an ``; Occupancy:`` that
+#: agrees (84 VGPRs: 10 waves, 1024 // 96; 502: 2; 809: 1). A wave may address all 1024
+#: (``Feature1024AddressableVGPRs``). SGPRs do not limit the waves on gfx10 and later
+#: (``getMaxNumSGPRs``: a fixed 106 addressable a wave, ``.sgpr_count`` adds VCC's 2). A workgroup
+#: holds at most 1024 work-items (``getMaxFlatWorkGroupSize``): 32 waves of 32.
+_CDNA5 = AmdResidency(
+    simds_per_cu=4,
+    vgprs_per_simd_lane=1024,
+    max_vgprs_per_wave=1024,
+    vgpr_granule=16,
+    max_waves_per_simd=16,
+    lds_per_cu=320 << 10,
+    lds_granule=2048,
+    max_waves_per_workgroup=32,
+    max_sgprs_per_wave=108,
+    agprs=False,
+    agpr_offset_align=None,
+    sgpr_waves=None,
+)
+
 # ---- the records -----------------------------------------------------------------------------
 
 _E4M3FN, _E4M3FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
@@ -266,6 +295,24 @@ TARGETS: dict[str, TargetSpec] = {
             xcds=8,
             products=(Product("MI355X", 256, 8.0e12, {"16bit": 2517e12, "fp8": 5033e12}),),
             aiter_mla=True,
+        ),
+        TargetSpec(
+            key="gfx1250",
+            backend="hip",
+            archs=("gfx1250",),
+            name="AMD CDNA5 (gfx1250)",
+            wave_size=32,
+            residency=_CDNA5,
+            # OCP fp8: Triton 3.9's HIPOptions ("native support for OCP fp8 variants since
+            # CDNA4/RDNA4"); its gfx1250 builds issue v_wmma_*_fp8_fp8 for fp8 dots.
+            fp8_dtypes=(_E4M3FN,),
+            fp8_dots=True,
+            # The only release checked (bench static): Triton 3.9's AMD backend compiles it.
+            triton_floor=(3, 9, 0),
+            table="gfx1250",
+            # Unknown: LLVM's AMDGPUUsage lists gfx1250 as an APU with products "TBA", so
+            # neither its XCD count (1: no remap), its CU count nor datasheet figures are
+            # known; AITER ships no kernels for it.
         ),
         TargetSpec(
             key="fallback",

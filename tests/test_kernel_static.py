@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks import isa
 from benchmarks import kernel_static as ks
 from rocm_mla.kernels import schedule as sch
 from rocm_mla.kernels.residency import RESIDENCY_TARGETS, resident_programs
@@ -88,6 +89,23 @@ class TestResidencyCdna:
             == 7
         )
 
+    def test_gfx1250_wave32_vgprs_without_agprs(self) -> None:
+        # 1024 VGPRs a lane in granules of 16, up to 16 waves a SIMD, 4 SIMDs, no AGPRs; the
+        # pairs are Triton 3.9's gfx1250 builds: NumVgprs and LLVM's "; Occupancy:" (waves a
+        # SIMD) of the same kernel. 84 -> 96: 10 waves; 502 -> 512: 2; 809 -> 816: 1.
+        for vgprs, waves in ((84, 10), (502, 2), (809, 1), (1024, 1)):
+            assert resident_programs(
+                "gfx1250", num_warps=4, regs_per_thread=vgprs, smem_bytes=0
+            ) == waves, vgprs  # fmt: skip
+        # SGPRs do not limit gfx12 waves; 320 KB of LDS in 2 KB blocks: 33 KB -> 34 KB, 9.
+        assert resident_programs(
+            "gfx1250", num_warps=1, regs_per_thread=32, sgprs_per_wave=108, smem_bytes=33 << 10
+        ) == 9  # fmt: skip
+        with pytest.raises(ValueError, match="no AGPRs"):
+            resident_programs(
+                "gfx1250", num_warps=4, regs_per_thread=64, agprs_per_thread=8, smem_bytes=0
+            )
+
     def test_lds_granules_differ_between_gfx942_and_gfx950(self) -> None:
         # 20000 B: gfx942 rounds to 20480 (40 x 512) -> 3 in 64 KB; gfx950 to 20480 (16 x
         # 1280) -> 8 in 160 KB, and registers (64 VGPRs, 1-wave groups: 32) do not bind.
@@ -110,7 +128,7 @@ class TestResidencyErrors:
         with pytest.raises(ValueError, match="target_key must be one of"):
             resident_programs("sm80", num_warps=4, regs_per_thread=32, smem_bytes=0)
         # "hip": another AMD arch, modelled as CDNA3 (the registry's family record).
-        assert RESIDENCY_TARGETS == ("sm90", "gfx942", "gfx950", "hip")
+        assert RESIDENCY_TARGETS == ("sm90", "gfx942", "gfx950", "gfx1250", "hip")
 
     @pytest.mark.parametrize(
         ("target", "kwargs", "message"),
@@ -139,14 +157,19 @@ class TestResidencyErrors:
 
 class TestReaders:
     def test_matrix_instruction_shapes(self) -> None:
-        assert ks._sass_matrix_shape("HGMMA.64x32x16.F32.BF16") == (64, 32, 16, "16bit")
-        assert ks._sass_matrix_shape("QGMMA.64x32x32.F32.E4M3.E4M3") == (64, 32, 32, "fp8")
-        assert ks._sass_matrix_shape("HMMA.16816.F32.BF16") == (16, 8, 16, "16bit")
-        assert ks._sass_matrix_shape("IMAD.WIDE") is None
-        assert ks._amd_matrix_shape("v_mfma_f32_16x16x16_bf16") == (16, 16, 16, "16bit")
-        assert ks._amd_matrix_shape("v_mfma_f32_16x16x32_fp8_fp8") == (16, 16, 32, "fp8")
-        assert ks._amd_matrix_shape("v_mfma_f32_32x32x16_bf16") == (32, 32, 16, "16bit")
-        assert ks._amd_matrix_shape("v_add_f32") is None
+        assert isa._sass_matrix_shape("HGMMA.64x32x16.F32.BF16") == (64, 32, 16, "16bit")
+        assert isa._sass_matrix_shape("QGMMA.64x32x32.F32.E4M3.E4M3") == (64, 32, 32, "fp8")
+        assert isa._sass_matrix_shape("HMMA.16816.F32.BF16") == (16, 8, 16, "16bit")
+        assert isa._sass_matrix_shape("IMAD.WIDE") is None
+        assert isa._amd_matrix_shape("v_mfma_f32_16x16x16_bf16") == (16, 16, 16, "16bit")
+        assert isa._amd_matrix_shape("v_mfma_f32_16x16x32_fp8_fp8") == (16, 16, 32, "fp8")
+        assert isa._amd_matrix_shape("v_mfma_f32_32x32x16_bf16") == (32, 32, 16, "16bit")
+        assert isa._amd_matrix_shape("v_add_f32") is None
+        # gfx1250's matrix ops are WMMA (wave32), read as the MFMA ones are.
+        assert isa.matrix_shape("v_wmma_f32_16x16x32_bf16", "hip") == (16, 16, 32, "16bit")
+        assert isa.matrix_shape("v_wmma_f32_16x16x64_fp8_fp8", "hip") == (16, 16, 64, "fp8")
+        with pytest.raises(ValueError, match="not a cuda matrix op"):
+            isa.matrix_shape("IMAD.WIDE", "cuda")
 
     def test_sass_loop_is_the_backward_branch_with_the_matrix_ops(self) -> None:
         sass = "\n".join(
@@ -162,7 +185,7 @@ class TestReaders:
                 "/*0080*/  EXIT ;",
             ]
         )
-        loop = ks.read_sass_loop(sass)
+        loop = isa.read_sass_loop(sass)
         assert loop["matrix"] == {"HMMA.16816.F32.BF16": 2}
         assert loop["counts"]["LDGSTS"] == 1 and loop["counts"]["STL"] == 1
         assert loop["counts"]["MUFU.EX2"] == 0 and loop["instructions"] == 5
@@ -183,7 +206,7 @@ class TestReaders:
                 "\ts_endpgm",
             ]
         )
-        loop = ks.read_amdgcn_loop(text)
+        loop = isa.read_amdgcn_loop(text)
         assert loop["matrix"] == {"v_mfma_f32_16x16x16_bf16": 2}
         assert loop["counts"]["buffer_load"] == 1 and loop["counts"]["ds_read"] == 1
 
@@ -204,7 +227,7 @@ class TestReaders:
                 "/*0080*/  EXIT ;",
             ]
         )
-        loop = ks.read_sass_loop(sass)
+        loop = isa.read_sass_loop(sass)
         assert loop["matrix"] == {"HMMA.16816.F32.BF16": 1} and loop["counts"]["LDL"] == 1
         text = "\n".join(
             [
@@ -226,7 +249,7 @@ class TestReaders:
                 "\ts_endpgm",
             ]
         )
-        loop = ks.read_amdgcn_loop(text)
+        loop = isa.read_amdgcn_loop(text)
         assert loop["matrix"] == {"v_mfma_f32_16x16x16_bf16": 1}
         assert loop["counts"]["buffer_load"] == 1 and loop["counts"]["ds_read"] == 1
         dots = "      %d = tt.dot %q, %k, %acc : tensor<64x512xbf16, #b>"
@@ -245,7 +268,7 @@ class TestReaders:
                 "    }",
             ]
         )
-        facts = ks.read_ttgir(ttgir)
+        facts = isa.read_ttgir(ttgir)
         ops = [(result, op) for result, op, _, _ in facts["loop_ops"]]
         assert ops == [
             ("%r", "scf.for"),
@@ -269,23 +292,23 @@ class TestReaders:
         header = [
             "  %buf = ttg.local_alloc : () -> !ttg.memdesc<2x64x512xbf16, #s, #smem, mutable>"
         ]
-        facts = ks._kv_facts(ks.read_ttgir("\n".join(header + loop)), block_n=64)
+        facts = ks._kv_facts(isa.read_ttgir("\n".join(header + loop)), block_n=64)
         assert facts["kv_buffers"] == 2
         # A buffer the main loop does not use (another loop's) says nothing about it.
         other = "  %buf9 = ttg.local_alloc : () -> !ttg.memdesc<1x64x512xbf16, #s, #smem, mutable>"
         assert (
-            ks._kv_facts(ks.read_ttgir("\n".join([*header, other, *loop])), 64)["kv_buffers"] == 2
+            ks._kv_facts(isa.read_ttgir("\n".join([*header, other, *loop])), 64)["kv_buffers"] == 2
         )
         assert facts["kv_round_trips"] == ["ttg.local_alloc"] and facts["guard_on_smem_tile"]
         assert facts["guard_round_trips"] == 1
         clean = [line for line in loop if "local_alloc" not in line]
-        facts = ks._kv_facts(ks.read_ttgir("\n".join(header + clean)), block_n=64)
+        facts = ks._kv_facts(isa.read_ttgir("\n".join(header + clean)), block_n=64)
         assert facts["kv_round_trips"] == [] and facts["kv_buffers"] == 2
         assert facts["guard_round_trips"] == 0
         # A round trip with no guard in its loop (sm90's fp8 V, transposed) is listed but is
         # not the guard's.
         transpose = [line for line in loop if "absf" not in line]
-        facts = ks._kv_facts(ks.read_ttgir("\n".join(header + transpose)), block_n=64)
+        facts = ks._kv_facts(isa.read_ttgir("\n".join(header + transpose)), block_n=64)
         assert facts["kv_round_trips"] == ["ttg.local_alloc"] and not facts["guard_on_smem_tile"]
         assert facts["guard_round_trips"] == 0
         # The guard's round trip in a loop after the walk (a verify window's tail tiles,
@@ -294,38 +317,38 @@ class TestReaders:
         walk = [line for line in loop if "absf" not in line and "local_alloc" not in line]
         dots = "      %d = tt.dot %q, %k, %acc : tensor<64x512xbf16, #b>"
         text = "\n".join(header + walk[:2] + [dots, dots] + walk[2:] + tail[:2] + [dots] + tail[2:])
-        facts = ks._kv_facts(ks.read_ttgir(text), block_n=64)
+        facts = ks._kv_facts(isa.read_ttgir(text), block_n=64)
         assert facts["kv_round_trips"] == ["ttg.local_alloc"] and facts["guard_round_trips"] == 1
         # A part of the tile loaded in the loop straight into registers has one stage, whatever
         # the other parts have; stored into the multi-buffer it is pipelined.
         load = "      %k = tt.load %p : tensor<64x64x!tt.ptr<bf16>, #b>"
-        facts = ks._kv_facts(ks.read_ttgir("\n".join(header + clean[:1] + [load] + clean[1:])), 64)
+        facts = ks._kv_facts(isa.read_ttgir("\n".join(header + clean[:1] + [load] + clean[1:])), 64)
         assert facts["kv_buffers"] == 1 and facts["synchronous_kv_loads_in_loop"] == 1
         store = (
             "      ttg.local_store %k, %slot : tensor<64x64xbf16, #b> -> !ttg.memdesc<64x64xbf16>"
         )
         staged = header + clean[:1] + [load, store] + clean[1:]
-        assert ks._kv_facts(ks.read_ttgir("\n".join(staged)), 64)["kv_buffers"] == 2
+        assert ks._kv_facts(isa.read_ttgir("\n".join(staged)), 64)["kv_buffers"] == 2
         # AMD's stream pipeliner prefetches into registers and stores a transposed or
         # converted copy of the load: still the load's LDS stage.
         for op in ("amdg.in_thread_transpose", "ttg.convert_layout"):
             moved = f"      %kt = {op} %k : tensor<64x64xbf16, #b> -> tensor<64x64xbf16, #l>"
             stored_moved = header + clean[:1] + [load, moved, store.replace("%k,", "%kt,")]
-            facts = ks._kv_facts(ks.read_ttgir("\n".join(stored_moved + clean[1:])), 64)
+            facts = ks._kv_facts(isa.read_ttgir("\n".join(stored_moved + clean[1:])), 64)
             assert facts["kv_buffers"] == 2 and facts["synchronous_kv_loads_in_loop"] == 0, op
             # Its own (one-slot) LDS buffer plus the register stage it lands in a trip ahead.
             assert facts["kv_stages"] == 2, op
         # Any other op in between (a value change) is not the load's stage.
         changed = "      %kt = arith.mulf %k, %k : tensor<64x64xbf16, #b>"
         stored_changed = header + clean[:1] + [load, changed, store.replace("%k,", "%kt,")]
-        facts = ks._kv_facts(ks.read_ttgir("\n".join(stored_changed + clean[1:])), 64)
+        facts = ks._kv_facts(isa.read_ttgir("\n".join(stored_changed + clean[1:])), 64)
         assert facts["kv_buffers"] == 1 and facts["kv_stages"] == 1
         # Loaded in registers and used in the same trip: one stage. Carried through the yield
         # to the next trip (gfx950's V halves): two, though it has one LDS buffer.
         same_trip = header + clean[:1] + [load] + clean[1:]
-        assert ks._kv_facts(ks.read_ttgir("\n".join(same_trip)), 64)["kv_stages"] == 1
+        assert ks._kv_facts(isa.read_ttgir("\n".join(same_trip)), 64)["kv_stages"] == 1
         carried = [line.replace("scf.yield %x", "scf.yield %x, %k") for line in same_trip]
-        facts = ks._kv_facts(ks.read_ttgir("\n".join(carried)), 64)
+        facts = ks._kv_facts(isa.read_ttgir("\n".join(carried)), 64)
         assert facts["kv_stages"] == 2 and facts["kv_buffers"] == 1
 
 
@@ -614,3 +637,31 @@ class TestTritonFolders:
             ks.triton_folder("3.1.0")
         with pytest.raises(SystemExit, match="expected a version"):
             ks.triton_folder("latest")
+
+
+class TestCompareStatic:
+    @staticmethod
+    def _payload(block_n: int, spills: bool | None) -> dict:
+        result = {
+            "case": {"name": "H16 Sq1 bf16"},
+            "target": "gfx950",
+            "per_batch": [{"batch": 8, "config": {"block_n": block_n}}],
+            "gates": {"compiles": {"pass": True}, "no_spills": {"pass": spills}},
+        }
+        return {"results": [result]}
+
+    def test_configs_and_verdicts_are_compared_case_by_case(self) -> None:
+        from benchmarks.compare_static import compare
+
+        same = compare(self._payload(16, True), self._payload(16, True))
+        assert same["targets"]["gfx950"] == {
+            "cases": 1, "configs_differ": 0, "gates_differ": 0, "missing": 0
+        }  # fmt: skip
+        assert same["differences"] == []
+        moved = compare(self._payload(16, True), self._payload(32, False))
+        assert moved["targets"]["gfx950"]["configs_differ"] == 1
+        assert moved["targets"]["gfx950"]["gates_differ"] == 1
+        # A gate that stops applying (pass None) is a change too.
+        assert compare(self._payload(16, True), self._payload(16, None))["differences"]
+        gone = compare(self._payload(16, True), {"results": []}, {"gfx950"})
+        assert gone["targets"]["gfx950"]["missing"] == 1

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import isa
 from benchmarks import kernel_static as ks
 
 DATA = Path(__file__).resolve().parent / "data" / "narrow_shared"
@@ -31,7 +32,7 @@ def read_fixture(name: str) -> tuple[str, dict, dict]:
     text = (DATA / f"{name}.txt").read_text()
     target, case, _, block_n, warps = HEADER.match(text).groups()
     backend = ks.TARGETS[target].backend
-    loop = ks.read_sass_loop(text) if backend == "cuda" else ks.read_amdgcn_loop(text)
+    loop = isa.read_sass_loop(text) if backend == "cuda" else isa.read_amdgcn_loop(text)
     kv_bytes = 1 if case.endswith("fp8") else 2
     tile_bytes = int(block_n) * ks.HEAD_DIM * kv_bytes
     return target, loop, ks.shared_facts(loop, backend, int(warps), tile_bytes)
@@ -118,14 +119,14 @@ def test_shared_bytes_per_kv_byte() -> None:
     ],
 )
 def test_access_widths(op: str, backend: str, access: tuple[int, int]) -> None:
-    assert ks.shared_access(op, backend) == access
-    assert ks._shared_counts([op, "MOV", "v_add_f32"], backend) == {op: 1}
+    assert isa.shared_access(op, backend) == access
+    assert isa.shared_counts([op, "MOV", "v_add_f32"], backend) == {op: 1}
 
 
 def test_other_ops_are_not_shared_accesses() -> None:
     body = ["LDG.E.128", "LDGSTS.E.BYPASS.128", "LDL", "STL.64", "STG.E", "LDSM_X"]
-    assert ks._shared_counts(body, "cuda") == {}
+    assert isa.shared_counts(body, "cuda") == {}
     amd = ["ds_bpermute_b32", "ds_swizzle_b32", "ds_add_u32", "buffer_load_dwordx4", "v_mfma"]
-    assert ks._shared_counts(amd, "hip") == {}
+    assert isa.shared_counts(amd, "hip") == {}
     with pytest.raises(ValueError, match="not an LDS load or store"):
-        ks.shared_access("ds_bpermute_b32", "hip")
+        isa.shared_access("ds_bpermute_b32", "hip")

@@ -159,6 +159,7 @@ def test_records_are_consistent():
         ("cuda", "sm89", "fallback", torch.float8_e4m3fn),
         ("hip", "gfx942", "gfx942", torch.float8_e4m3fnuz),
         ("hip", "gfx950", "gfx950", torch.float8_e4m3fn),
+        ("hip", "gfx1250", "gfx1250", torch.float8_e4m3fn),
         ("hip", "gfx90a", "hip", torch.float8_e4m3fn),
         ("interpreter", None, "interpreter", torch.float8_e4m3fn),
         (None, None, "interpreter", torch.float8_e4m3fn),

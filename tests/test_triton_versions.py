@@ -83,10 +83,11 @@ def _spec(device: str) -> DecodeSpec:
 def test_the_range_is_stated_once_and_named_where_users_look(capsys):
     """One constant; README, docs/architecture.md and ``rocm-mla info`` name it."""
     text = str(SUPPORTED_TRITON)
-    assert text == "3.5.1 to 3.9.0, 3.4.0 on gfx942 and gfx950"
+    assert text == "3.5.1 to 3.9.0, 3.4.0 on gfx942 and gfx950, 3.9.0 on gfx1250"
     assert SUPPORTED_TRITON.floor(SM90) == (3, 5, 1)
     assert SUPPORTED_TRITON.floor(GFX942) == (3, 4, 0)
     assert SUPPORTED_TRITON.floor(TritonTarget("hip", "gfx90a", 104)) == (3, 5, 1)
+    assert SUPPORTED_TRITON.floor(TritonTarget("hip", "gfx1250", 256)) == (3, 9, 0)
     for doc in ("README.md", "docs/architecture.md"):
         assert text in (ROOT / doc).read_text(), doc
     from rocm_mla import cli

@@ -41,7 +41,7 @@ from rocm_mla.kernels.target import TritonTarget, say_once
 from rocm_mla.kernels.tuned_configs import LaunchConfig
 from rocm_mla.platform import triton_interpreting
 
-__all__ = ["Stage1CompileError", "programs_per_cu"]
+__all__ = ["Stage1CompileError", "compile_for", "gpu_target", "programs_per_cu"]
 
 
 #: Per compute unit of a target with no residency model: (shared memory bytes, register file
@@ -52,6 +52,26 @@ _FALLBACK_CU = (164 << 10, 256 << 10, 64)
 class Stage1CompileError(RuntimeError):
     """The installed Triton cannot compile stage 1 with a config for a target: its message
     names the compiler's error and the file holding the compiler's whole output."""
+
+
+def gpu_target(target: TritonTarget):
+    """Triton's ``GPUTarget`` for a registry target (``triton.backends.compiler.GPUTarget``):
+    the backend, the arch as Triton names it (a compute capability on NVIDIA) and the
+    registry's wave size. Any target compiles here, GPU or not."""
+    from triton.backends.compiler import GPUTarget
+
+    wave_size = target.spec.wave_size
+    if target.backend == "cuda":
+        return GPUTarget("cuda", int(target.arch.removeprefix("sm")), wave_size)
+    return GPUTarget("hip", target.arch, wave_size)
+
+
+def compile_for(source, target: TritonTarget, options: dict):
+    """Compile ``source`` (a ``triton.compiler.ASTSource``) for ``target`` with the launch's
+    ``options`` (``JITFunction``'s, as a dict): the one compile the planner's residency and the
+    benchmarks' compile-level gate (``benchmarks/kernel_static.py``) both run, so they read the
+    same build (and share Triton's cache)."""
+    return triton.compile(source, target=gpu_target(target), options=options)
 
 
 def programs_per_cu(
@@ -236,17 +256,11 @@ def _compile_stage1_resources(
     # its API: where a release lacks one (3.4 has no ``_pack_args``) or calls it otherwise,
     # the caller estimates instead.
     try:
-        from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource, make_backend
         from triton.runtime.jit import create_function_from_signature
 
-        wave_size = here.spec.wave_size
-        if backend == "cuda":
-            gpu_target = GPUTarget("cuda", int(arch.removeprefix("sm")), wave_size)
-        else:
-            gpu_target = GPUTarget("hip", arch, wave_size)
         fn = _mla_decode_stage1
-        compiler = make_backend(gpu_target)
+        compiler = make_backend(gpu_target(here))
         binder = create_function_from_signature(fn.signature, fn.params, compiler)
         kwargs = dict(kwargs, debug=False)
         bound, specialization, options = binder(*args, **kwargs)
@@ -258,7 +272,7 @@ def _compile_stage1_resources(
         return {"internals_differ": f"{type(exc).__name__}: {exc}"}
     try:
         with _compiler_output() as output:
-            kernel = triton.compile(source, target=gpu_target, options=options.__dict__)
+            kernel = compile_for(source, here, options.__dict__)
     except Exception as exc:
         # Whatever the compiler raises (an MLIR pass failure is a bare RuntimeError, ptxas a
         # PTXASError, the front end a CompilationError), this config does not build here.
