@@ -72,6 +72,12 @@ gates, as measured now:
   16-bit accesses are reported (bf16's V is read with ``ds_read_u16``; no AMD measurement yet
   says what they cost). On the H200 the fp8 builds that trip it ran at 0.20-0.95x our bf16
   speed (ncu: byte-wise V transposes through shared memory, 29-way bank conflicts).
+- ``window_kv_bytes`` (issue 40): a verify window's KV bytes per step (the keys its schedule
+  walks, at the cache's width) over its single-query twin's (same heads, lengths and DCP,
+  ``S_q`` 1), per row group, within ``MAX_WINDOW_KV_PER_GROUP``. A DCP window is one pass
+  with per-row bounds, so each row group loads each tile once, as a query does; folded into
+  ``S_q`` one-row requests it cost ``S_q``. The total ratio is reported: it is the row
+  groups' (``S_q x H`` rows in tiles of ``block_h``), DCP or not.
 
     python -m benchmarks.kernel_static [--cases all|reduced | --case NAME ...]
         [--targets sm90,gfx942,gfx950] [--triton VERSION|DIR] [--loops DIR] [--fail-on GATES]
@@ -122,6 +128,10 @@ COMPUTE_BOUND_ROWS = 64  #: rows (H x S_q) per request from which issued/useful 
 MIN_WAVE_FILL = 0.9
 MIN_GATED_BATCH = 8
 MAX_TILE_LOADS_H128 = 2
+#: Issue 40: a verify window's KV bytes per step over the single query's (same heads, same
+#: lengths), per row group. Folding a DCP window into S_q one-row requests made it S_q; one
+#: pass with per-row bounds loads each KV tile once per row group of the window.
+MAX_WINDOW_KV_PER_GROUP = 1.1
 #: Issue 37, item 3: the narrowest shared-memory access, in bits a thread / lane, the KV loop
 #: may make. The H200 (ncu) saw 29-way bank conflicts from sm90's fp8 V moved byte by byte
 #: (128 STS.U8 or LDS.U8 an iteration), and gfx942's fp8 builds read 256 ds_read_u8 an
@@ -194,8 +204,8 @@ class Case:
     """One decode shape: ``heads`` query heads per rank, a verify window of ``q_len``.
 
     With ``dcp > 1`` the heads are DCP-gathered (``12 x dcp``) and the rank holds 1/dcp of
-    the context; ``dcp_mla_decode`` folds the window into the batch (``B x S_q`` requests of
-    one query, non-causal), so that is the kernel call made here.
+    the context; ``dcp_mla_decode`` decodes each window in one pass over the shard, every
+    row with its own local bound (``row_seqlens``), so that is the kernel call made here.
     """
 
     name: str
@@ -203,13 +213,6 @@ class Case:
     q_len: int
     kv: str  #: "bf16" or "fp8"
     dcp: int = 1
-
-    @property
-    def kernel_q_len(self) -> int:
-        return 1 if self.dcp > 1 else self.q_len
-
-    def kernel_batch(self, batch: int) -> int:
-        return batch * self.q_len if self.dcp > 1 else batch
 
     @property
     def context(self) -> int:
@@ -221,7 +224,7 @@ class Case:
     @property
     def rows(self) -> int:
         """Query rows (S_q x H) one kernel request holds."""
-        return self.kernel_q_len * self.heads
+        return self.q_len * self.heads
 
 
 def _cases() -> tuple[Case, ...]:
@@ -243,11 +246,20 @@ def _cases() -> tuple[Case, ...]:
 
 CASES = _cases()
 #: A few cases for the slow test: both head regimes, a verify window, fp8 (96 rows: sm90's
-#: three 32-row groups with keys as M).
+#: three 32-row groups with keys as M), and a DCP window with its single query (per-row
+#: bounds; the window KV gate).
 REDUCED_CASES = tuple(
     c
     for c in CASES
-    if c.name in ("H16 Sq1 bf16", "H128 Sq1 bf16", "K3 TP8 H12 Sq2 fp8", "K3 TP1 H96 Sq1 fp8")
+    if c.name
+    in (
+        "H16 Sq1 bf16",
+        "H128 Sq1 bf16",
+        "K3 TP8 H12 Sq2 fp8",
+        "K3 TP1 H96 Sq1 fp8",
+        "K3 12xDCP2 H24 Sq1 bf16",
+        "K3 12xDCP2 H24 Sq4 bf16",
+    )
 )
 
 
@@ -367,6 +379,7 @@ def schedule_facts(
         "max_segments_per_unit": max(per_unit.values()),
         "slot_fill": round(sum(loads) / len(loads) / max(loads), 3) if max(loads) else 0.0,
         "kv_tile_loads_per_request": max(walked) / planned if planned else 0.0,
+        "kv_keys_walked": sum(walked),
         "programs": tables.num_programs,
         "first_wave_holds_the_slots_first_segments": firsts <= set(first_wave),
         "list_scheduled_within_plan": max(ran) <= max(loads),
@@ -382,16 +395,21 @@ def record_case(case: Case, target: GpuTarget, batch: int, config=None) -> dict:
     from rocm_mla.kernels import schedule as sch
 
     tt = target.triton_target()
-    requests = case.kernel_batch(batch)
+    requests = batch
     kv_dtype = torch.bfloat16 if case.kv == "bf16" else target.fp8_dtype
     pages = -(-case.context // PAGE_SIZE)
     meta = {"device": "meta"}
-    q = torch.empty(requests, case.kernel_q_len, case.heads, HEAD_DIM, dtype=torch.bfloat16, **meta)
+    q = torch.empty(requests, case.q_len, case.heads, HEAD_DIM, dtype=torch.bfloat16, **meta)
     kv_cache = torch.empty(requests * pages, PAGE_SIZE, HEAD_DIM, dtype=kv_dtype, **meta)
     block_table = torch.empty(requests, pages, dtype=torch.int32, **meta)
     seqlens = torch.empty(requests, dtype=torch.int32, **meta)
+    # Under DCP each row has its own bound on the shard; its values are read only by the
+    # kernel, so a meta tensor stands for them as for the lengths.
+    row_seqlens = (
+        torch.empty(requests * case.q_len, dtype=torch.int32, **meta) if case.dcp > 1 else None
+    )
     config, slots = md.plan_launch(
-        q_len=case.kernel_q_len,
+        q_len=case.q_len,
         num_heads=case.heads,
         kv_dtype=kv_dtype,
         target=tt,
@@ -411,10 +429,10 @@ def record_case(case: Case, target: GpuTarget, batch: int, config=None) -> dict:
             seqlens,
             head_dim_v=HEAD_DIM_V,
             softmax_scale=HEAD_DIM**-0.5,
-            causal=case.dcp == 1,
             kv_scale=None if case.kv == "bf16" else 1.0,
             config=config,
             num_slots=slots,
+            row_seqlens=row_seqlens,
         )
     # Outside the recording: programs_per_cu compiles the real kernel for this shape.
     planner_residency = md.programs_per_cu(
@@ -422,7 +440,7 @@ def record_case(case: Case, target: GpuTarget, batch: int, config=None) -> dict:
         tt,
         kv_dtype=kv_dtype,
         num_heads=case.heads,
-        q_len=case.kernel_q_len,
+        q_len=case.q_len,
         cache_bytes=kv_cache.untyped_storage().nbytes(),
     )
     return {
@@ -859,6 +877,7 @@ def analyze(case: Case, target: GpuTarget, plans: list[dict] | dict, kernels: di
                 "schedule": schedule,
                 "slot_fill": schedule["slot_fill"],
                 "kv_tile_loads_per_request": schedule["kv_tile_loads_per_request"],
+                "kv_bytes_per_step": schedule["kv_keys_walked"] * HEAD_DIM * kv_bytes,
                 "kv_cache_bytes": plan["kv_cache_bytes"],
                 "issued_macs_per_tile": work["issued_macs"],
                 "useful_macs_per_tile": useful,
@@ -1100,6 +1119,54 @@ def gates(case: Case, target: GpuTarget, per_batch: list[dict], kernels: dict) -
     return result
 
 
+def window_kv_gates(results: list[dict]) -> None:
+    """Add the gate ``window_kv_bytes`` to every verify-window case (``q_len > 1``) whose
+    single-query twin (same heads, KV and DCP; ``q_len`` 1) ran on the same target: at each
+    batch, the KV bytes its schedule walks per step over the twin's, per row group, must
+    stay within ``MAX_WINDOW_KV_PER_GROUP``.
+
+    Per row group because a window of more rows than one group holds (``block_h``) is more
+    groups, each walking the keys, at any ``S_q``, with or without DCP: the total ratio is
+    reported beside it, with the S_q a window folded into one-row requests would cost."""
+
+    def twin_key(case: dict) -> tuple:
+        return case["heads"], case["kv"], case["dcp"]
+
+    singles = {
+        (twin_key(r["case"]), r["target"]): r
+        for r in results
+        if r["case"]["q_len"] == 1 and r["per_batch"]
+    }
+    for r in results:
+        twin = singles.get((twin_key(r["case"]), r["target"]))
+        if r["case"]["q_len"] == 1 or twin is None or not r["per_batch"]:
+            continue
+        by_batch = {}
+        for window, single in zip(r["per_batch"], twin["per_batch"], strict=True):
+            total = window["kv_bytes_per_step"] / single["kv_bytes_per_step"]
+            groups = window["num_groups"] / single["num_groups"]
+            by_batch[window["batch"]] = {
+                "kv_bytes_per_step": window["kv_bytes_per_step"],
+                "single_query_kv_bytes_per_step": single["kv_bytes_per_step"],
+                "ratio": round(total, 3),
+                "row_groups": window["num_groups"],
+                "single_query_row_groups": single["num_groups"],
+                "ratio_per_row_group": round(total / groups, 3),
+                "folded_ratio": r["case"]["q_len"],
+            }
+        r["gates"]["window_kv_bytes"] = _gate(
+            True,
+            all(b["ratio_per_row_group"] <= MAX_WINDOW_KV_PER_GROUP for b in by_batch.values()),
+            {
+                "limit": MAX_WINDOW_KV_PER_GROUP,
+                "rule": "KV bytes the schedule walks per step over the single query's, per "
+                "row group (folded: S_q requests of one row, S_q times the bytes)",
+                "twin": twin["case"]["name"],
+                "by_batch": by_batch,
+            },
+        )
+
+
 # ---- the run --------------------------------------------------------------------------------
 
 
@@ -1232,6 +1299,7 @@ def run(
             results.append(
                 {"case": asdict(case) | {"name": case.name}, "target": target.key, **entry}
             )
+    window_kv_gates(results)
     if loops_dir is not None:
         write_loop_excerpts(loops_dir, plans, kernels)
     for info in kernels.values():
@@ -1254,6 +1322,7 @@ def run(
             "min_wave_fill": MIN_WAVE_FILL,
             "min_gated_batch": MIN_GATED_BATCH,
             "max_tile_loads_h128": MAX_TILE_LOADS_H128,
+            "max_window_kv_per_group": MAX_WINDOW_KV_PER_GROUP,
             "min_shared_access_bits": MIN_SHARED_ACCESS_BITS,
         },
         "wall_s": {
@@ -1349,6 +1418,7 @@ def markdown(payload: dict) -> str:
         "kv_tile_loads_h128": "loads",
         "guard_without_round_trip": "guard-rt",
         "narrow_shared": "narrow",
+        "window_kv_bytes": "win-KV",
     }
     lines = [
         f"# Compile-level gate (issues 20, 37), Triton {payload['environment']['triton']}, "
@@ -1423,6 +1493,27 @@ def markdown(payload: dict) -> str:
             f"{b['shared']['byte_wide']}/{b['shared']['half_wide']}, "
             f"{b['shared']['shared_bytes_per_kv_byte']} | " + " | ".join(verdicts) + " |"
         )
+    windows = [r for r in payload["results"] if "window_kv_bytes" in r["gates"]]
+    if windows:
+        lines += [
+            "",
+            "Verify windows: KV bytes per step over the single query's (same heads, lengths "
+            "and DCP), at B 32: in total, per row group (the gate), and folded into one-row "
+            "requests (S_q).",
+            "",
+            "| case | target | row groups (S_q 1) | total | per row group | folded |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in windows:
+            # Keys are strings once the payload went through JSON.
+            evidence = r["gates"]["window_kv_bytes"]["evidence"]["by_batch"]
+            by_batch = {int(batch): figures for batch, figures in evidence.items()}
+            w = by_batch.get(32, by_batch[min(by_batch)])
+            lines.append(
+                f"| {r['case']['name']} | {r['target']} | {w['row_groups']} "
+                f"({w['single_query_row_groups']}) | {w['ratio']} | {w['ratio_per_row_group']} "
+                f"| {w['folded_ratio']} |"
+            )
     lines += ["", f"All gates pass: {payload['all_gates_pass']}."]
     if payload["failed_gates"]:
         lines.append(f"Gates failed somewhere: {', '.join(payload['failed_gates'])}.")
