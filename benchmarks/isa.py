@@ -6,7 +6,9 @@ shared-memory accesses by width).
 
 Each reader returns plain facts (counts, registers, spills, the main loop's ops); what they
 mean for a case (the gates) is ``kernel_static``'s. Nothing here compiles: the compile is
-``rocm_mla.kernels.occupancy.compile_for``, the planner's own.
+``rocm_mla.kernels.occupancy.compile_for``, the planner's own, and an amdgcn build's register
+counts are read by the planner's ``occupancy.amdgcn_registers`` (the package cannot import
+this module), which ``read_amdgcn`` calls.
 """
 
 from __future__ import annotations
@@ -194,17 +196,20 @@ def read_amdgcn(text: str, excerpt: bool = False, *, agprs: bool = True) -> dict
     has none, and the text reports none). ``llvm_occupancy`` is LLVM's own waves per SIMD for
     the kernel's registers and workgroup size (LDS, dynamic in Triton, not counted)."""
 
+    from rocm_mla.kernels.occupancy import amdgcn_registers
+
     def number(pattern: str) -> int:
         match = re.search(pattern, text)
         if match is None:
             raise RuntimeError(f"isa: {pattern!r} not in the amdgcn text")
         return int(match.group(1))
 
+    registers = amdgcn_registers(text, agprs=agprs)
     return {
-        "regs_per_thread": number(r"; NumVgprs: (\d+)"),
-        "agprs_per_thread": number(r"; NumAgprs: (\d+)") if agprs else 0,
+        "regs_per_thread": registers["regs_per_thread"],
+        "agprs_per_thread": registers.get("agprs_per_thread", 0),
         "llvm_occupancy": number(r"; Occupancy: (\d+)"),
-        "sgprs_per_wave": number(r"\.sgpr_count:\s+(\d+)"),
+        "sgprs_per_wave": registers["sgprs_per_wave"],
         "vgpr_spill_count": number(r"\.vgpr_spill_count:\s+(\d+)"),
         "sgpr_spill_count": number(r"\.sgpr_spill_count:\s+(\d+)"),
         "scratch_bytes": number(r"; ScratchSize: (\d+)"),

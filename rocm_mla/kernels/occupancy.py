@@ -7,6 +7,10 @@ and reads the registers and shared memory through ``residency``; other targets g
 from the config's footprint, and so do those where the installed Triton's internals are not
 the ones this compile calls (said once on stderr). A config that the compiler rejects raises
 ``Stage1CompileError``: the planner (``plan.plan_launch``) then takes another.
+
+Its ``gpu_target`` and ``compile_for`` are the one compile of a kernel for a registry target:
+the benchmarks' compile-level gate (``benchmarks/kernel_static.py``) compiles through them
+too, so the planner and the gate read the same build.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from rocm_mla.kernels.target import TritonTarget, say_once
 from rocm_mla.kernels.tuned_configs import LaunchConfig
 from rocm_mla.platform import triton_interpreting
 
-__all__ = ["Stage1CompileError", "compile_for", "gpu_target", "programs_per_cu"]
+__all__ = ["Stage1CompileError", "amdgcn_registers", "compile_for", "gpu_target", "programs_per_cu"]
 
 
 #: Per compute unit of a target with no residency model: (shared memory bytes, register file
@@ -284,24 +288,29 @@ def _compile_stage1_resources(
             "regs_per_thread": _cubin_registers(kernel.asm["cubin"]),
             "smem_bytes": int(kernel.metadata.shared),
         }
-    text = kernel.asm["amdgcn"]
+    registers = amdgcn_registers(kernel.asm["amdgcn"], agprs=here.spec.residency.agprs)
+    return registers | {"smem_bytes": int(kernel.metadata.shared)}
+
+
+def amdgcn_registers(text: str, *, agprs: bool) -> dict[str, int]:
+    """The registers an amdgcn build uses: ``regs_per_thread`` (arch VGPRs, ``; NumVgprs:``),
+    ``sgprs_per_wave`` (``.sgpr_count``) and, where the target has an AGPR file (``agprs``),
+    ``agprs_per_thread`` apart (``.vgpr_count`` is their unified total). The planner's
+    residency and the benchmarks' reader (``benchmarks/isa.py``) both read them here."""
 
     def count(pattern: str) -> int:
         found = re.search(pattern, text)
         if found is None:
-            raise RuntimeError(f"programs_per_cu: {pattern!r} not in the amdgcn of stage 1")
+            raise RuntimeError(f"amdgcn_registers: {pattern!r} not in the amdgcn text")
         return int(found.group(1))
 
-    # The arch VGPRs and the AGPRs apart (".vgpr_count" is their unified total), where the
-    # target has AGPRs.
-    resources = {
+    registers = {
         "regs_per_thread": count(r"; NumVgprs: (\d+)"),
         "sgprs_per_wave": count(r"\.sgpr_count:\s+(\d+)"),
-        "smem_bytes": int(kernel.metadata.shared),
     }
-    if here.spec.residency.agprs:
-        resources["agprs_per_thread"] = count(r"; NumAgprs: (\d+)")
-    return resources
+    if agprs:
+        registers["agprs_per_thread"] = count(r"; NumAgprs: (\d+)")
+    return registers
 
 
 class _Output:
