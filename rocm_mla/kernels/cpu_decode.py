@@ -28,6 +28,13 @@ column is at or past ``max_blocks``, or whose block id lies outside ``[0, num_bl
 ``fault_flag`` (``FAULT_*`` of ``rocm_mla.inputs``); such keys are never read. A cut row
 follows the same rules: every chunk checks the bounds of the whole row before reading (so a
 faulting row reads nothing), and a head one chunk poisoned is NaN in the merged row.
+
+ISA: the kernel is built with ``-march=native`` (``$ROCM_MLA_CPU_MARCH`` names another
+target, e.g. ``x86-64-v3`` for AVX2 or ``x86-64-v4`` for AVX-512; each march builds into its
+own directory). The source picks its vector width and register blocking from what that
+target enables (``isa()`` reports it): 16 floats on AVX-512, 8 on AVX2, 4 on SSE and NEON.
+A march whose code this CPU cannot run is refused before it is loaded (``unrunnable``);
+``compile_check`` compiles the source for any march without loading it.
 """
 
 from __future__ import annotations
@@ -36,13 +43,14 @@ import fcntl
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import time
 import warnings
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -71,6 +79,43 @@ WAIT_ENV = "ROCM_MLA_CPU_BUILD_WAIT_S"
 WAIT_NOTICE_S = 1.0
 #: Present in the build directory while its lock holder compiles.
 _BUILDING = "rocm-mla-building"
+#: The ``-march`` the kernel is built for when set; else ``native`` (this CPU's own ISA).
+MARCH_ENV = "ROCM_MLA_CPU_MARCH"
+NATIVE = "native"
+
+#: The compiler's feature macros a march can define, and the CPU flag (``/proc/cpuinfo``)
+#: each needs: what ``unrunnable`` checks. Features outside this table are not checked.
+_FEATURE_FLAGS = {
+    "__SSE3__": "pni",
+    "__SSSE3__": "ssse3",
+    "__SSE4_1__": "sse4_1",
+    "__SSE4_2__": "sse4_2",
+    "__POPCNT__": "popcnt",
+    "__AVX__": "avx",
+    "__AVX2__": "avx2",
+    "__FMA__": "fma",
+    "__F16C__": "f16c",
+    "__BMI__": "bmi1",
+    "__BMI2__": "bmi2",
+    "__LZCNT__": "abm",
+    "__MOVBE__": "movbe",
+    "__AVX512F__": "avx512f",
+    "__AVX512BW__": "avx512bw",
+    "__AVX512CD__": "avx512cd",
+    "__AVX512DQ__": "avx512dq",
+    "__AVX512VL__": "avx512vl",
+    "__AVX512VNNI__": "avx512_vnni",
+    "__AVX512BF16__": "avx512_bf16",
+    "__AVX512FP16__": "avx512_fp16",
+    "__AVXVNNI__": "avx_vnni",
+    "__AMX_TILE__": "amx_tile",
+    "__AMX_BF16__": "amx_bf16",
+    "__ARM_FEATURE_SVE": "sve",
+    "__ARM_FEATURE_SVE2": "sve2",
+    "__ARM_FEATURE_DOTPROD": "asimddp",
+    "__ARM_FEATURE_BF16_VECTOR_ARITHMETIC": "bf16",
+    "__ARM_FEATURE_FP16_VECTOR_ARITHMETIC": "asimdhp",
+}
 
 
 class CpuKernelBuildTimeout(TimeoutError):
@@ -78,13 +123,46 @@ class CpuKernelBuildTimeout(TimeoutError):
 
 
 def _cpu_info() -> str:
-    """The CPU model and flags: the build uses -march=native."""
+    """The CPU model and flags: what a ``-march=native`` build depends on."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         info = platform.processor()
     lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
     return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    """This CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
+    for line in _cpu_info().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> set[str] | None:
+    """This CPU's feature flags (x86 ``flags``, Arm ``Features``); None where unreadable."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in info.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def march() -> str:
+    """The ``-march`` CPU decodes build for: ``$ROCM_MLA_CPU_MARCH``, else ``native``."""
+    text = os.environ.get(MARCH_ENV)
+    if text is None:
+        return NATIVE
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", text):
+        raise ValueError(
+            f"{MARCH_ENV} must be a -march value such as native, x86-64-v3 (AVX2) or "
+            f"x86-64-v4 (AVX-512), got {text!r}; unset it to build for this CPU"
+        )
+    return text
 
 
 def _compiler() -> str:
@@ -100,20 +178,103 @@ def _compiler() -> str:
     return f"{os.path.realpath(path)} {' '.join(version)}"
 
 
-def build_key() -> str:
+def build_key(target: str = NATIVE) -> str:
     """What makes two builds incompatible: torch (version, build, install location: each
-    venv's torch has its own include paths), the Python ABI, the compiler, the CPU. Two
-    venvs with the same torch version thus build into two directories instead of
-    invalidating each other's build in one."""
+    venv's torch has its own include paths), the Python ABI, the compiler, the ``-march``
+    (``target``) and, for ``native``, the CPU. Two venvs with the same torch version thus
+    build into two directories instead of invalidating each other's build in one, and so do
+    two marches."""
     parts = (
         torch.__version__,
         str(torch.version.git_version),
         os.path.realpath(os.path.dirname(torch.__file__)),
         str(sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag),
         _compiler(),
-        _cpu_info(),
+        f"-march={target}",
+        _cpu_info() if target == NATIVE else "",
     )
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _flags(target: str) -> list[str]:
+    """The compile flags of a build for ``-march=target``."""
+    # No -std: cpp_extension names the standard torch's headers need (C++20 in torch 2.13;
+    # torch 2.14's headers fail to compile under an explicit c++17).
+    flags = ["-O3", f"-march={target}"]
+    if torch.backends.openmp.is_available():
+        flags.append("-fopenmp")
+    return flags
+
+
+def _first_error(text: str) -> str:
+    """A compiler's first ``error:`` line (its output opens with the command), on one line."""
+    lines = text.splitlines() or [""]
+    detail = next((line for line in lines if "error:" in line), lines[0])
+    return " ".join(detail.split())
+
+
+@cache
+def unrunnable(target: str) -> str | None:
+    """Why this CPU cannot run code built for ``-march=target`` (the features the compiler
+    enables for it, ``_FEATURE_FLAGS``, that ``/proc/cpuinfo`` lacks), else None. ``native``
+    always runs; where the CPU's flags cannot be read nothing is refused."""
+    if target == NATIVE:
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run(
+            [compiler, f"-march={target}", "-dM", "-E", "-x", "c++", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"{compiler} did not run to list -march={target}'s features: {error}"
+    if done.returncode != 0:
+        return f"{compiler} refused -march={target}: {_first_error(done.stderr)}"
+    flags = _cpu_flags()
+    if flags is None:
+        return None
+    defined = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
+    missing = [f for macro, f in _FEATURE_FLAGS.items() if macro in defined and f not in flags]
+    if not missing:
+        return None
+    return (
+        f"this CPU ({cpu_model()}) cannot run -march={target} code: it lacks {', '.join(missing)}"
+    )
+
+
+def compile_check(target: str, directory: Path) -> Path:
+    """Compile the kernel's source for ``-march=target`` into an object in ``directory``,
+    with the build's flags, without linking or loading it: how a march this CPU cannot run
+    is still checked. Returns the object's path; a compile error raises ``RuntimeError``
+    naming the compiler's first error."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    includes = [*cpp_extension.include_paths("cpu"), sysconfig.get_path("include")]
+    obj = Path(directory) / f"cpu_decode-{target}.o"
+    command = [
+        compiler,
+        *(f"-isystem{path}" for path in includes),
+        "-DTORCH_EXTENSION_NAME=rocm_mla_cpu_decode_check",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        "-fPIC",
+        "-std=c++20",  # what cpp_extension passes in torch 2.13
+        *_flags(target),
+        "-c",
+        str(_SOURCE),
+        "-o",
+        str(obj),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"the CPU decode kernel did not compile for -march={target}: "
+            f"{_first_error(done.stderr)}"
+        )
+    return obj
 
 
 def _build_dir(key: str) -> Path:
@@ -174,22 +335,24 @@ def _locked(build_dir: Path, build):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-@lru_cache(maxsize=1)
-def _load() -> tuple[object | None, str | None]:
-    """(module, None) or (None, why it cannot be built). Built once per process; a failure
-    warns once, and CPU calls then run the torch path."""
+@cache
+def _load(target: str) -> tuple[object | None, str | None]:
+    """(module, None) or (None, why it cannot be built or run here) for ``-march=target``.
+    Built once per process and march; a failure warns once, and CPU calls then run the
+    torch path."""
+    why = unrunnable(target)
+    if why is not None:
+        reason = f"the CPU decode kernel is not loaded: {why}"
+        warnings.warn(f"{reason}; CPU decodes run the torch path", RuntimeWarning, stacklevel=2)
+        return None, reason
     try:
         from torch.utils import cpp_extension
 
-        key = build_key()
+        key = build_key(target)
         build_dir = _build_dir(key)
         name = f"rocm_mla_cpu_decode_{key}"
-        # No -std: torch's own flags name the standard its headers need (C++17 up to torch
-        # 2.13, C++20 from 2.14, whose headers fail to compile under an explicit c++17).
-        flags = ["-O3", "-march=native"]
+        flags = _flags(target)
         openmp = torch.backends.openmp.is_available()
-        if openmp:
-            flags.append("-fopenmp")
 
         def build():
             built = [p.stat().st_mtime for p in build_dir.glob(f"{name}*.so")]
@@ -197,7 +360,10 @@ def _load() -> tuple[object | None, str | None]:
             start = time.monotonic()
             if not fresh:
                 (build_dir / _BUILDING).write_text(f"{os.getpid()}\n")
-                _say(f"building the CPU decode kernel (first use, about a minute) in {build_dir}")
+                _say(
+                    f"building the CPU decode kernel for -march={target} (first use, about a "
+                    f"minute) in {build_dir}"
+                )
             try:
                 module = cpp_extension.load(
                     name=name,
@@ -216,10 +382,7 @@ def _load() -> tuple[object | None, str | None]:
 
         module = _locked(build_dir, build)
     except Exception as error:  # a missing compiler or ninja, a build error, the wait bound
-        lines = str(error).splitlines() or [""]
-        # A build error's text starts with the compile command: its first error says why.
-        detail = next((line for line in lines if "error:" in line), lines[0])
-        text = " ".join(detail.split())
+        text = _first_error(str(error))
         reason = f"the CPU decode kernel did not build: {type(error).__name__}: {text[:300]}"
         warnings.warn(f"{reason}; CPU decodes run the torch path", RuntimeWarning, stacklevel=2)
         return None, reason
@@ -227,8 +390,18 @@ def _load() -> tuple[object | None, str | None]:
 
 
 def available() -> str | None:
-    """None when the kernel is built (building it on first call), else the reason it is not."""
-    return _load()[1]
+    """None when the kernel for ``march()`` is built (building it on first call), else the
+    reason it is not."""
+    return _load(march())[1]
+
+
+def isa() -> str:
+    """What the loaded kernel (``march()``) was compiled for: its ISA and vector width, e.g.
+    ``avx2 (8 floats, 16 registers)``; raises ``RuntimeError`` when it is not built."""
+    module, why = _load(march())
+    if module is None:
+        raise RuntimeError(why)
+    return module.isa()
 
 
 @lru_cache(maxsize=4)
@@ -302,7 +475,7 @@ def _decode(
     _check(q, kv_cache, block_table, cache_seqlens, head_dim_v, fault_flag)
     if chunk_keys is not None and (not isinstance(chunk_keys, int) or chunk_keys < 0):
         raise ValueError(f"cpu_decode: _chunk_keys must be None or an int >= 0, got {chunk_keys}")
-    module, why = _load()
+    module, why = _load(march())
     if module is None:
         raise RuntimeError(why)
     batch, q_len, num_heads, _ = q.shape
