@@ -54,8 +54,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VLLM_LIBRARIES = {"x86-64-v3": "_C_AVX2", "x86-64-v4": "_C_AVX512"}
 #: Marches timed by default: both x86 paths where the host is x86, else this CPU's own.
 DEFAULT_MARCHES = ["x86-64-v3", "x86-64-v4"] if platform.machine() == "x86_64" else ["native"]
-#: The CPU flags recorded with the results: which vector paths this host can run.
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile")
 #: (name, batch, prompt tokens, new tokens)
 WORKLOADS = (("8x256+128", 8, 256, 128), ("4x900+64", 4, 900, 64))
 ENGINE_TIMEOUT_S = 1800
@@ -88,19 +86,6 @@ def _loaded_vllm_library() -> str:
         if name.startswith("_C") and name.endswith(".abi3.so"):
             names.add(name.removesuffix(".abi3.so"))
     return " ".join(sorted(names)) or "unknown"
-
-
-def host() -> dict:
-    """The CPU: its model and the ISA flags of ``ISA_FLAGS`` it has."""
-    from rocm_mla.kernels import cpu_decode
-
-    flags = cpu_decode._cpu_flags() or set()
-    return {
-        "cpu_model": cpu_decode.cpu_model(),
-        "machine": platform.machine(),
-        "isa_flags": [f for f in ISA_FLAGS if f in flags],
-        "cores": os.cpu_count(),
-    }
 
 
 def make_inputs(batch: int, heads: int, context: int, dtype: torch.dtype, seed: int = 0):
@@ -503,7 +488,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "the median of each repeat's ratio); engine: our decode tok/s / CPU_MLA's",
         "op_shape": {"batch": args.batch, "block_size": BLOCK, "q_len": 1, "head_dim": HEAD_DIM},
         "environment": {**common.environment(), "vllm": _vllm_version()},
-        "host": host(),
+        "host": common.cpu_host(),
         # Other processes' load shows up as noise in every figure; recorded, not corrected.
         "load_average_before": load_before,
         "op_builds": builds,
