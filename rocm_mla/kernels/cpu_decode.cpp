@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -245,7 +246,7 @@ inline void step_accumulate(float* o, const float* rescale, const float* p, cons
 }
 
 struct Args {
-  const float* q;  // [B, S_q, H, D], pre-scaled by softmax_scale * kv_scale
+  const float* q;  // [B, S_q, H, D], scaled by softmax_scale * kv_scale
   const int32_t* table;
   const int32_t* lens;
   float* out;  // [B, S_q, H, Dv]
@@ -545,27 +546,46 @@ int64_t run(const Args& a, const T* kv, int64_t chunk, int64_t min_chunk, int64_
   return size;
 }
 
+// q [B, S_q, H, D] as float32 times q_scale, the product rounded to fp32 as the reference's
+// `q.float() * scale` is: a score overflows to inf exactly where the reference's does.
+template <typename T>
+std::vector<float> scaled_query(const torch::Tensor& q, float q_scale) {
+  std::vector<float> qs(q.numel());
+  Convert<T>::row(q.data_ptr<T>(), qs.data(), q.numel(), nullptr);
+  for (float& x : qs) x *= q_scale;
+  return qs;
+}
+
 }  // namespace
 
-// q: float32 [B, S_q, H, D] contiguous, pre-scaled. kv_cache: [num_blocks, block_size, D]
-// with unit last stride, fp32/bf16/fp16 or uint8 (fp8 bytes, dequantized by fp8_table).
-// chunk: keys per chunk (> 0), 0 to cut no row, < 0 for the rule of cpu_decode.py with
-// min_chunk and tasks_per_thread. Returns the keys per chunk used (0: none cut).
-int64_t decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
-            const torch::Tensor& cache_seqlens, const torch::Tensor& out, const torch::Tensor& lse,
-            const c10::optional<torch::Tensor>& fault_flag, const c10::optional<torch::Tensor>& fp8_table,
-            int64_t plan_max, int64_t group, bool causal, double v_scale, int64_t chunk,
-            int64_t min_chunk, int64_t tasks_per_thread) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 4);
+// q: [B, S_q, H, D] contiguous, fp32/bf16/fp16, scaled by q_scale here. kv_cache:
+// [num_blocks, block_size, D] with unit last stride, fp32/bf16/fp16 or uint8 (fp8 bytes,
+// dequantized by fp8_table). chunk: keys per chunk (> 0), 0 to cut no row, < 0 for the rule
+// of cpu_decode.py with min_chunk and tasks_per_thread. Returns out [B, S_q, H, dv] and lse
+// [B, S_q, H] (float32) and the keys per chunk used (0: none cut).
+std::tuple<torch::Tensor, torch::Tensor, int64_t> decode(
+    const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
+    const torch::Tensor& cache_seqlens, const c10::optional<torch::Tensor>& fault_flag,
+    const c10::optional<torch::Tensor>& fp8_table, int64_t dv, double q_scale, int64_t plan_max, int64_t group,
+    bool causal, double v_scale, int64_t chunk, int64_t min_chunk, int64_t tasks_per_thread) {
+  TORCH_CHECK(q.is_contiguous() && q.dim() == 4);
   TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == q.size(3) && kv_cache.stride(2) == 1);
-  TORCH_CHECK(out.size(3) <= q.size(3));
+  TORCH_CHECK(dv >= 1 && dv <= q.size(3));
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.is_contiguous());
   TORCH_CHECK(cache_seqlens.scalar_type() == torch::kInt32 && cache_seqlens.is_contiguous());
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous());
-  TORCH_CHECK(lse.scalar_type() == torch::kFloat32 && lse.is_contiguous());
   TORCH_CHECK(group >= 1 && min_chunk >= 1 && tasks_per_thread >= 1);
+  std::vector<float> qs;
+  switch (q.scalar_type()) {
+    case torch::kFloat32: qs = scaled_query<float>(q, static_cast<float>(q_scale)); break;
+    case torch::kBFloat16: qs = scaled_query<c10::BFloat16>(q, static_cast<float>(q_scale)); break;
+    case torch::kHalf: qs = scaled_query<c10::Half>(q, static_cast<float>(q_scale)); break;
+    default: TORCH_CHECK(false, "unsupported query dtype ", q.scalar_type());
+  }
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  torch::Tensor out = torch::empty({q.size(0), q.size(1), q.size(2), dv}, f32);
+  torch::Tensor lse = torch::empty({q.size(0), q.size(1), q.size(2)}, f32);
   Args a{};
-  a.q = q.data_ptr<float>();
+  a.q = qs.data();
   a.table = block_table.data_ptr<int32_t>();
   a.lens = cache_seqlens.data_ptr<int32_t>();
   a.out = out.data_ptr<float>();
@@ -576,7 +596,7 @@ int64_t decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torc
   a.q_len = q.size(1);
   a.heads = q.size(2);
   a.dim = q.size(3);
-  a.dv = out.size(3);
+  a.dv = dv;
   a.block_size = kv_cache.size(1);
   a.num_blocks = kv_cache.size(0);
   a.max_blocks = block_table.size(1);
@@ -586,16 +606,20 @@ int64_t decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torc
   a.group = group;
   a.causal = causal;
   a.v_scale = static_cast<float>(v_scale);
+  int64_t size = 0;
   switch (kv_cache.scalar_type()) {
-    case torch::kFloat32: return run(a, kv_cache.data_ptr<float>(), chunk, min_chunk, tasks_per_thread);
+    case torch::kFloat32: size = run(a, kv_cache.data_ptr<float>(), chunk, min_chunk, tasks_per_thread); break;
     case torch::kBFloat16:
-      return run(a, kv_cache.data_ptr<c10::BFloat16>(), chunk, min_chunk, tasks_per_thread);
-    case torch::kHalf: return run(a, kv_cache.data_ptr<c10::Half>(), chunk, min_chunk, tasks_per_thread);
+      size = run(a, kv_cache.data_ptr<c10::BFloat16>(), chunk, min_chunk, tasks_per_thread);
+      break;
+    case torch::kHalf: size = run(a, kv_cache.data_ptr<c10::Half>(), chunk, min_chunk, tasks_per_thread); break;
     case torch::kUInt8:
       TORCH_CHECK(a.fp8_table != nullptr, "a uint8 cache needs its fp8 table");
-      return run(a, kv_cache.data_ptr<uint8_t>(), chunk, min_chunk, tasks_per_thread);
+      size = run(a, kv_cache.data_ptr<uint8_t>(), chunk, min_chunk, tasks_per_thread);
+      break;
     default: TORCH_CHECK(false, "unsupported cache dtype ", kv_cache.scalar_type());
   }
+  return {out, lse, size};
 }
 
 // What this build was compiled for: "<isa> (<lanes> floats, <registers> registers)".

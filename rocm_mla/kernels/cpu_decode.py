@@ -480,24 +480,22 @@ def _decode(
         raise RuntimeError(why)
     batch, q_len, num_heads, _ = q.shape
     k_scale = 1.0 if kv_scale is None else float(kv_scale)
-    # Scaled up front as the reference does, so that a score that overflows is inf.
-    qs = (q.to(torch.float32) * (softmax_scale * k_scale)).contiguous()
     kv, table = kv_cache, None
     if kv_cache.dtype in FP8_DTYPES:
         kv, table = kv_cache.view(torch.uint8), _fp8_table(kv_cache.dtype)
     if kv.stride(2) != 1:
         kv = kv.contiguous()
-    out = torch.empty(batch, q_len, num_heads, head_dim_v, dtype=torch.float32)
-    lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32)
-    chunk = module.decode(
-        qs,
+    # q is scaled in fp32 as the reference does (q.float() * scale), so that a score that
+    # overflows is inf.
+    out, lse, chunk = module.decode(
+        q.contiguous(),
         kv,
-        block_table.to(torch.int32).contiguous(),
-        cache_seqlens.to(torch.int32).contiguous(),
-        out,
-        lse,
+        block_table.contiguous(),
+        cache_seqlens.contiguous(),
         fault_flag,
         table,
+        head_dim_v,
+        softmax_scale * k_scale,
         -1 if max_seqlen is None else int(max_seqlen),
         _head_group(batch * q_len, num_heads),
         bool(causal),
