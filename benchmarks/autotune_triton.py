@@ -157,7 +157,7 @@ def planned_schedule(problem, config, slots: int | None = None):
     groups = -(-(problem.q.shape[1] * problem.q.shape[2]) // config.block_h)
     capacity = problem.block_table.shape[1] * problem.kv_cache.shape[1]
     if slots is None:
-        slots = groups * sum(max(1, sch._pieces(n, capacity)) for n in lengths)
+        slots = groups * sum(max(1, sch.pieces_of(n, capacity)) for n in lengths)
     return sch.host_schedule(
         lengths,
         num_groups=groups,

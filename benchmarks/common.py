@@ -223,7 +223,7 @@ def triton_plan(launch, *, num_heads: int, q_len: int, kv_dtype: torch.dtype) ->
     same launch).
     """
     from rocm_mla.backends.triton import SLOTS_ENV
-    from rocm_mla.kernels.mla_decode_args import _group_config, table_entry
+    from rocm_mla.kernels.mla_decode_args import group_config, table_entry
     from rocm_mla.kernels.target import triton_target
 
     target = triton_target()
@@ -235,7 +235,7 @@ def triton_plan(launch, *, num_heads: int, q_len: int, kv_dtype: torch.dtype) ->
         "config": config,
         "table_source": entry.source,
         # False when the planner fell back from the tuned entry (e.g. it failed to compile).
-        "config_is_table_entry": _group_config(entry.config, q_len * num_heads) == launch.config,
+        "config_is_table_entry": group_config(entry.config, q_len * num_heads) == launch.config,
         "num_slots": launch.num_slots,
         "num_cus": target.num_cus,
         "programs_per_cu": launch.num_slots / target.num_cus,

@@ -69,7 +69,7 @@ def run_mixed(args: argparse.Namespace) -> dict:
             q, kv, bt, lens = make_mixed_inputs(lengths, args.heads, args.block_size, dtypes[name])
 
             def call(chunk, q=q, kv=kv, bt=bt, lens=lens):
-                return cpu_decode._decode(
+                return cpu_decode.decode_with_chunk(
                     q,
                     kv,
                     bt,

@@ -130,7 +130,7 @@ MAX_TILE_LOADS_H128 = 2
 MIN_SHARED_ACCESS_BITS = {"cuda": 32, "hip": 16}
 #: The module whose launches are stage 1 (the split-KV decode), and the schedule planner's.
 STAGE1_MODULE = "rocm_mla.kernels.mla_decode_kernel"
-PLANNER_MODULE = "rocm_mla.kernels.schedule"
+PLANNER_MODULE = "rocm_mla.kernels.schedule.device"
 
 
 @dataclass(frozen=True)
@@ -332,7 +332,7 @@ def schedule_facts(
     for unit, first, end, _ in segments:
         per_unit[unit] = per_unit.get(unit, 0) + 1
         walked[unit // groups] += end - first
-    planned = sch._pieces(context, capacity) * sch.PIECE_KEYS
+    planned = sch.pieces_of(context, capacity) * sch.PIECE_KEYS
     # The first wave (as many programs as each pool has slots) holds every used slot's first
     # segment, each on a slot of its own (idle slots take later segments early): what the
     # launch order promises.

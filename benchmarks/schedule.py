@@ -7,18 +7,18 @@ length mix (``base_mixes``, then ``held_out_mixes``: ones the model was not fitt
 and seeded, each also as a DCP-8 rank 0's share from ``rocm_mla.dcp.local_seq_lens``; H is
 unchanged there, DCP gathers the heads), the launch is the one ``plan.plan_launch`` plans
 for the shape (KV cache bytes = the mix's keys x 576 x itemsize, page 64): config =
-``_group_config(default_config(...), S_q*H)``, ``G = ceil(S_q*H / block_h)`` row groups, and
+``group_config(default_config(...), S_q*H)``, ``G = ceil(S_q*H / block_h)`` row groups, and
 ``S = compute units x programs_per_cu`` resident slots, ``programs_per_cu`` being the
 compiled stage 1's occupancy for the target (``kernels.occupancy``: one compile per shape,
 no GPU needed; the compiles dominate the run, so rerunning after a kernel change is all it
 takes to refresh; ``--programs-per-cu N`` skips them).
 
-Cost model (key-units; ``schedule.PIECE_KEYS`` = 64, ``schedule.OVERHEAD_KEYS`` =
-``plan.SPLIT_OVERHEAD_TOKENS``, ``schedule.MERGE_KEYS`` = ``plan.MERGE_TOKENS_PER_PARTIAL``,
-calibrated there on an H200; ``--fit`` reproduces the fit): a program or segment walking
-``k`` keys costs ``ceil(k / 64) * 64 + OVERHEAD_KEYS`` (a masked tile costs as much as a full
-one); a step costs its makespan (the last slot to finish) plus ``MERGE_KEYS`` x the most
-partials one unit merges (``schedule.model_cost``). Per schedule:
+Cost model (key-units; ``rocm_mla.kernels.schedule.cost``: ``PIECE_KEYS`` = 64,
+``OVERHEAD_KEYS`` = 192, ``MERGE_KEYS`` = 2, calibrated there on an H200; ``--fit``
+reproduces the fit): a program or segment walking ``k`` keys costs ``ceil(k / 64) * 64 +
+OVERHEAD_KEYS`` (a masked tile costs as much as a full one); a step costs its makespan (the
+last slot to finish) plus ``MERGE_KEYS`` x the most partials one unit merges
+(``schedule.model_cost``). Per schedule:
 
 - balanced (ours, ``kernels.schedule.host_schedule``): one program per segment in the
   planner's launch order (``kernels.schedule``: "Launch order"), list-scheduled onto the
@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import heapq
 import itertools
 import json
 import math
@@ -86,6 +85,13 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
+from rocm_mla.kernels.schedule.cost import (
+    MERGE_KEYS,
+    OVERHEAD_KEYS,
+    PIECE_KEYS,
+    list_schedule,
+    merge_cost,
+)
 
 MAX_RATIO = 1.15  #: balanced makespan / lower bound, every row (see the module docstring)
 MAX_RATIO_UNIFORM = 1.05  #: the same for the uniform batch
@@ -153,7 +159,7 @@ def base_mixes() -> dict[str, list[int]]:
 
 
 def held_out_mixes() -> dict[str, list[int]]:
-    """Mixes the cost model was not fitted on (``plan.SPLIT_OVERHEAD_TOKENS``: the fit timed
+    """Mixes the cost model was not fitted on (``schedule.cost.OVERHEAD_KEYS``: the fit timed
     ``base_mixes`` on an H200), so the rows check the planner where it was not tuned."""
     rng = random.Random(SEED + 256)
     return {
@@ -188,31 +194,13 @@ def mixes() -> dict[str, list[int]]:
 # ---- the cost model and the three schedules -------------------------------------------------
 
 
-def _overhead() -> int:
-    from rocm_mla.kernels.schedule import OVERHEAD_KEYS
-
-    return OVERHEAD_KEYS
-
-
-def _merge_keys() -> int:
-    from rocm_mla.kernels.schedule import MERGE_KEYS
-
-    return MERGE_KEYS
-
-
-def _piece() -> int:
-    from rocm_mla.kernels.schedule import PIECE_KEYS
-
-    return PIECE_KEYS
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 def lower_bounds(lengths: list[int], num_groups: int, num_slots: int) -> tuple[float, int]:
     """(a) and (b) of the module docstring."""
-    piece, overhead = _piece(), _overhead()
+    piece, overhead = PIECE_KEYS, OVERHEAD_KEYS
     keys = num_groups * sum(max(n, 0) for n in lengths)
     pieces = num_groups * sum(-(-max(n, 0) // piece) for n in lengths)
     lb_a = max(keys / num_slots, piece) + overhead
@@ -223,10 +211,10 @@ def lower_bounds(lengths: list[int], num_groups: int, num_slots: int) -> tuple[f
 def _makespan_possible(lengths: list[int], num_groups: int, num_slots: int, span: int) -> bool:
     """False when no schedule in the cost model has makespan <= ``span`` (a relaxation: True
     does not promise one). A slot of ``k`` segments holds at most ``c_k = floor((span -
-    84k) / 64)`` pieces, a segment at most ``t = c_1``, so unit ``u`` needs ``m_u >=
+    OVERHEAD_KEYS k) / 64)`` pieces, a segment at most ``t = c_1``, so unit ``u`` needs ``m_u >=
     max(1, ceil(n_u / t))`` segments; the ``K = sum m_u`` segments over ``S`` slots hold at
     most ``S * f(max(K / S, 1))`` pieces, ``f`` the upper concave envelope of ``c_k``."""
-    piece, overhead = _piece(), _overhead()
+    piece, overhead = PIECE_KEYS, OVERHEAD_KEYS
     most = span // overhead  # segments one slot can hold at all
     t = (span - overhead) // piece
     counts = [_cdiv(max(n, 0), piece) for n in lengths]
@@ -271,31 +259,26 @@ def lower_bound_c(lengths: list[int], num_groups: int, num_slots: int, lb_b: int
     return low
 
 
-def _merge(chain: int) -> int:
-    from rocm_mla.kernels.schedule import merge_cost
-
-    return merge_cost(chain)
-
-
 def total_bound(lengths: list[int], num_groups: int, stage1_bound: float, high: int) -> int:
     """A lower bound on a step's cost (stage 1's makespan plus the merge) from one on the
-    makespan: a schedule of makespan ``M`` walks at most ``t = (M - 84) // 64`` pieces a
-    segment, so the longest unit merges at least ``ceil(n / t)`` partials; the least ``M +
-    merge`` over ``M`` from ``stage1_bound`` up to ``high`` (a schedule's cost)."""
-    piece, overhead = _piece(), _overhead()
+    makespan: a schedule of makespan ``M`` walks at most ``t = (M - OVERHEAD_KEYS) // 64``
+    pieces a segment, so the longest unit merges at least ``ceil(n / t)`` partials; the
+    least ``M + merge`` over ``M`` from ``stage1_bound`` up to ``high`` (a schedule's
+    cost)."""
+    piece, overhead = PIECE_KEYS, OVERHEAD_KEYS
     longest = max(_cdiv(max(n, 0), piece) for n in lengths)
     low = math.ceil(stage1_bound)
 
     def chain(span: int) -> int:
         return _cdiv(longest, (span - overhead) // piece) if longest else 0
 
-    best = low + _merge(chain(low))
+    best = low + merge_cost(chain(low))
     # Each fewer partial is possible from the least makespan whose segments hold its share.
     for count in range(chain(low) - 1, 0, -1):
         span = overhead + _cdiv(longest, count) * piece
         if span > high:
             break
-        best = min(best, span + _merge(count))
+        best = min(best, span + merge_cost(count))
     return best
 
 
@@ -314,7 +297,7 @@ def balanced_loads(lengths: list[int], num_groups: int, num_slots: int, num_pool
     )
     bounds = tables.slot_segments.tolist()
     segments = tables.segments.tolist()
-    overhead = _overhead()
+    overhead = OVERHEAD_KEYS
     loads = []
     covered = [0] * (len(lengths) * num_groups)
     for s in range(num_slots):
@@ -323,7 +306,7 @@ def balanced_loads(lengths: list[int], num_groups: int, num_slots: int, num_pool
             load += end - first + overhead
             covered[unit] += end - first
         loads.append(load)
-    piece = _piece()
+    piece = PIECE_KEYS
     for u, keys in enumerate(covered):
         want = -(-max(lengths[u // num_groups], 0) // piece) * piece
         if keys != want:
@@ -338,7 +321,7 @@ def balanced_loads(lengths: list[int], num_groups: int, num_slots: int, num_pool
         "planned": loads,
         "split_units": len(split),
         "chain": chain if chain > 1 else 0,
-        "cost": max(ran) + _merge(chain),
+        "cost": max(ran) + merge_cost(chain),
     }
 
 
@@ -351,7 +334,7 @@ def old_loads(lengths: list[int], num_groups: int, num_slots: int, splits: int) 
     from rocm_mla.kernels.schedule import list_scheduled_loads, schedule_entries, uniform_schedule
 
     tables = uniform_schedule(lengths, num_groups=num_groups, splits=splits, capacity_keys=1 << 30)
-    return list_scheduled_loads(schedule_entries(tables), num_slots, 1, _overhead())
+    return list_scheduled_loads(schedule_entries(tables), num_slots, 1, OVERHEAD_KEYS)
 
 
 def flashmla_loads(lengths: list[int], num_groups: int, num_parts: int) -> tuple[list[int], int]:
@@ -360,7 +343,7 @@ def flashmla_loads(lengths: list[int], num_groups: int, num_parts: int) -> tuple
     blocks = [-(-max(n, 0) // FLASHMLA_BLOCK) for n in lengths for _ in range(num_groups)]
     total = sum(b + FLASHMLA_OVERHEAD_BLOCKS for b in blocks)
     payload = -(-total // num_parts) + FLASHMLA_OVERHEAD_BLOCKS
-    overhead = _overhead()
+    overhead = OVERHEAD_KEYS
     loads = []
     spans = [0] * len(blocks)
     unit, done = 0, 0  # the unit being walked and its blocks already given out
@@ -397,7 +380,7 @@ def _plan(target: Target, heads: int, q_len: int, kind: str, lengths: list[int],
     import triton
 
     from rocm_mla.kernels import plan
-    from rocm_mla.kernels.mla_decode_args import _group_config, default_config
+    from rocm_mla.kernels.mla_decode_args import default_config, group_config
 
     tt = target.triton_target()
     kv = target.kv_dtype(kind)
@@ -415,7 +398,7 @@ def _plan(target: Target, heads: int, q_len: int, kind: str, lengths: list[int],
         )
         ppc = slots // target.num_cus
     else:
-        config = _group_config(
+        config = group_config(
             default_config(tt, num_heads=heads, q_len=q_len, kv_dtype=kv), q_len * heads
         )
         slots = target.num_cus * ppc
@@ -440,7 +423,7 @@ def measure(target: Target, heads: int, q_len: int, kind: str, mix: str, lengths
         "balanced": balanced["chain"],
         "flashmla": flash_chain,
     }
-    costs = {name: makespans[name] + _merge(chains[name]) for name in makespans}
+    costs = {name: makespans[name] + merge_cost(chains[name]) for name in makespans}
     lb_c = lower_bound_c(lengths, groups, slots, lb_b, makespans["balanced"])
     # Every schedule is one of the model's, so no bound may exceed its makespan.
     bounds_hold = lb_c is not None and all(
@@ -461,7 +444,7 @@ def measure(target: Target, heads: int, q_len: int, kind: str, mix: str, lengths
     uniform = mix in (UNIFORM_MIX, dcp_name(UNIFORM_MIX))
     gate_c = totals["lb_c"]
     gates = {
-        "lb_c": costs["balanced"] <= max(MAX_RATIO * gate_c, gate_c + _piece()),
+        "lb_c": costs["balanced"] <= max(MAX_RATIO * gate_c, gate_c + PIECE_KEYS),
         "lb_b": ratios["balanced"]["lb_b"] <= MAX_RATIO,
         "lb_a": ratios["balanced"]["lb_a"] <= MAX_RATIO,
         "uniform_lb_c": ratios["balanced"]["lb_c"] <= MAX_RATIO_UNIFORM if uniform else None,
@@ -561,22 +544,21 @@ def run(
     job_s = {
         " ".join(map(str, job)): seconds for job, (_, seconds) in zip(jobs, by_job, strict=True)
     }
-    from rocm_mla.kernels import plan
-
     payload = {
         "benchmark": "schedule",
         "environment": common.environment(),
         "cost_model": {
-            "program_cost": f"ceil(keys / 64) * 64 + {_overhead()} key-units (a masked tile "
+            "program_cost": f"ceil(keys / 64) * 64 + {OVERHEAD_KEYS} key-units (a masked tile "
             "costs a full one)",
-            "step_cost": f"stage-1 makespan + {_merge_keys()} x the most partials one unit "
+            "step_cost": f"stage-1 makespan + {MERGE_KEYS} x the most partials one unit "
             "merges (none when no unit is cut)",
-            "piece_keys": _piece(),
-            "overhead_keys": _overhead(),
-            "merge_keys_per_partial": _merge_keys(),
-            "calibration": "plan.SPLIT_OVERHEAD_TOKENS / plan.MERGE_TOKENS_PER_PARTIAL "
-            f"({plan.SPLIT_OVERHEAD_TOKENS} / {plan.MERGE_TOKENS_PER_PARTIAL}): the fit of "
-            f"{FIT_FILE} (python -m benchmarks.schedule --fit)",
+            "piece_keys": PIECE_KEYS,
+            "overhead_keys": OVERHEAD_KEYS,
+            "merge_keys_per_partial": MERGE_KEYS,
+            "calibration": "schedule.cost.OVERHEAD_KEYS / MERGE_KEYS "
+            f"({OVERHEAD_KEYS} / {MERGE_KEYS}): the overhead is the fit of {FIT_FILE} "
+            "(python -m benchmarks.schedule --fit), the merge derived from it (MERGE_KEYS's "
+            "comment)",
             "balanced": "kernels.schedule.host_schedule's segments in its launch order, "
             "list-scheduled per pool; slot cost = sum over its segments of (end - first) + "
             "overhead",
@@ -596,7 +578,7 @@ def run(
             "makespans M from that bound up (the bounds the costs are gated on)",
         },
         "gates": {
-            "lb_c": f"balanced cost <= max({MAX_RATIO} x LB(c) total, LB(c) total + {_piece()})",
+            "lb_c": f"balanced cost <= max({MAX_RATIO} x LB(c) total, LB(c) total + {PIECE_KEYS})",
             "max_ratio_lb_b": MAX_RATIO,
             "max_ratio_uniform": MAX_RATIO_UNIFORM,
             "uniform_mixes": [UNIFORM_MIX, dcp_name(UNIFORM_MIX)],
@@ -723,7 +705,7 @@ def markdown(payload: dict) -> str:
         f"{merge} per partial of the unit with the most. LB(a) = max(G * keys / S, 64) + "
         f"{overhead}, LB(b) = ceil(64-key pieces / S) * 64 + {overhead}, LB(c) = the least "
         "makespan segment counting allows, each with the least merge a makespan that low "
-        f"forces. Gates: balanced <= max({MAX_RATIO} x LB(c), LB(c) + {_piece()} keys) and "
+        f"forces. Gates: balanced <= max({MAX_RATIO} x LB(c), LB(c) + {PIECE_KEYS} keys) and "
         f"balanced <= old on every row; the uniform batch also balanced/LB(c) <= "
         f"{MAX_RATIO_UNIFORM}. Held-out mixes (not in the fit): "
         f"{', '.join(payload['held_out_mixes'])}. Wall time {payload['wall_s']} s"
@@ -852,32 +834,33 @@ FIT_SHAPES = ("H16 S_q1 bf16", "H128 S_q1 bf16")
 FIT_MERGES = (0, 1, 2, 4, 6, 8, 10, 12, 16, 24, 32)
 
 
-def _list_makespan(program_keys: list[int], num_slots: int, overhead: int) -> int:
-    free = [0] * num_slots
-    for keys in program_keys:
-        heapq.heapreplace(free, free[0] + keys + overhead)
-    return max(free)
-
-
 def fit(rows: list[dict]) -> dict:
-    """Least-absolute-deviation fit of ``time = c0[shape] + c[shape] x (makespan + m x
-    chain)`` over ``rows`` (``FIT_FILE``'s: each timed schedule's programs, its longest merge
-    chain, its time): the makespan list-scheduled with ``o`` keys per program, ``(o, m)``
-    searched over ``FIT_OVERHEADS`` x ``FIT_MERGES``, ``c0`` and ``c`` per shape by
-    iteratively reweighted least squares. Returns the best ``(o, m)``, the per-shape
-    constants, every residual, and the mean |residual| along each axis through the best
-    (how sharply the data pins each constant)."""
+    """Least-absolute-deviation fit of the cost model's two constants to timings: ``time =
+    c0[shape] + c[shape] x (makespan + merge_cost(chain))`` over ``rows`` (``FIT_FILE``'s:
+    each timed schedule's programs, its longest merge chain, its time), the makespan
+    ``schedule.cost.list_schedule``'s with ``o`` keys per program and the merge
+    ``merge_cost``'s at ``m`` keys per partial: the model ``cost.py`` defines, with ``(o,
+    m)`` in place of its ``OVERHEAD_KEYS`` and ``MERGE_KEYS``, searched over
+    ``FIT_OVERHEADS`` x ``FIT_MERGES``; ``c0`` and ``c`` per shape by iteratively
+    reweighted least squares. Returns the best ``(o, m)`` beside ``cost.py``'s values
+    (``calibrated``), the per-shape constants, every residual, and the mean |residual|
+    along each axis through the best (how sharply the data pins each constant)."""
     import numpy as np
 
     rows = [r for r in rows if r["shape"] in FIT_SHAPES]
     shapes = sorted({r["shape"] for r in rows})
     times = np.array([r["time_us"] for r in rows])
+    # Each row's makespan at each overhead (one pool: the H200 timed).
+    makespans = {
+        o: [max(list_schedule(enumerate(r["program_keys"]), r["slots"], 1, o)) for r in rows]
+        for o in FIT_OVERHEADS
+    }
 
     def solve(overhead: int, merge: int):
         design = np.zeros((len(rows), 2 * len(shapes)))
         for i, r in enumerate(rows):
             k = shapes.index(r["shape"])
-            keys = _list_makespan(r["program_keys"], r["slots"], overhead) + merge * r["chain"]
+            keys = makespans[overhead][i] + merge_cost(r["chain"], merge)
             design[i, 2 * k], design[i, 2 * k + 1] = 1.0, keys
         weight = np.ones(len(rows))
         for _ in range(50):
@@ -893,6 +876,7 @@ def fit(rows: list[dict]) -> dict:
     return {
         "overhead_keys": best[0],
         "merge_keys_per_partial": best[1],
+        "calibrated": {"overhead_keys": OVERHEAD_KEYS, "merge_keys_per_partial": MERGE_KEYS},
         "shapes": {
             shape: {
                 "us_per_key": round(float(coef[2 * k + 1]), 5),

@@ -47,8 +47,8 @@ kernel as launched: registers, spills, shared memory, the residency they give), 
 line per row so that a repeat on another machine can be compared plan by plan.
 
 Calibration rows (``calibration``, run first; ``--parts calibration`` alone), for the
-schedule's cost model (``plan.SPLIT_OVERHEAD_TOKENS``, ``schedule.OVERHEAD_KEYS``), per head
-count of ``--calibration-heads`` (S_q 1, bf16): segments of 1 to 64 pieces filling the
+schedule's cost model (``schedule.cost.OVERHEAD_KEYS``, ``MERGE_KEYS``), per head count of
+``--calibration-heads`` (S_q 1, bf16): segments of 1 to 64 pieces filling the
 machine ``CAL_WAVES`` times, whole and cut in two (a segment of one tile against a segment of
 many, with and without its partial and merge), and stage 2 alone merging 2 to 128 partials
 per unit, with the least-squares fits; the fields are documented in ``calibration``.
@@ -217,7 +217,7 @@ def shape_launch(case: Case, inputs: Inputs, *, slots: int | None = None, target
     once per shape for the occupancy), or with ``slots`` given the tuned config of
     ``target`` (None: this machine's) and that many slots without compiling."""
     from rocm_mla.kernels import plan
-    from rocm_mla.kernels.mla_decode_args import _group_config, default_config
+    from rocm_mla.kernels.mla_decode_args import default_config, group_config
     from rocm_mla.kernels.target import triton_target
 
     target = triton_target() if target is None else target
@@ -235,7 +235,7 @@ def shape_launch(case: Case, inputs: Inputs, *, slots: int | None = None, target
             cache_bytes=kv.numel() * kv.element_size(),
         )
     config = default_config(target, num_heads=case.heads, q_len=case.q_len, kv_dtype=kv.dtype)
-    return _group_config(config, case.q_len * case.heads), slots
+    return group_config(config, case.q_len * case.heads), slots
 
 
 def plan_case(case: Case, inputs: Inputs, *, slots: int | None = None, target=None) -> Plan:
@@ -563,7 +563,7 @@ def calibration(
     ``time_us`` (the whole call), ``us_per_wave``. ``segment_fit[direct|cut]``: least
     squares ``us_per_wave = fixed_us + us_per_piece x pieces``, its ``residuals_us``, and
     ``overhead_keys = PIECE_KEYS x fixed_us / us_per_piece``: a segment's fixed cost in keys,
-    the cost model's ``SPLIT_OVERHEAD_TOKENS`` (``cut`` adds the partial's write and its
+    the cost model's ``OVERHEAD_KEYS`` (``cut`` adds the partial's write and its
     share of the merge).
 
     Merge rows (``merges``): stage 2 alone (``merge_states.launch_merge_pieces``) over
@@ -578,7 +578,7 @@ def calibration(
     from rocm_mla.kernels import mla_decode as kernel
     from rocm_mla.kernels import schedule as sch
     from rocm_mla.kernels.merge_states import launch_merge_pieces
-    from rocm_mla.kernels.mla_decode_args import _partials
+    from rocm_mla.kernels.mla_decode_args import partial_buffers
 
     piece = sch.PIECE_KEYS
     probe_case = Case("calibration", (piece,), heads, "bf16")
@@ -657,7 +657,7 @@ def calibration(
         # As a balanced schedule lists them: the cut units, then -1 up to the slot count.
         split_units = torch.full((max(slots, units),), -1, dtype=torch.int32, device=device)
         split_units[:units] = torch.arange(units, dtype=torch.int32, device=device)
-        part_out, part_lse = _partials(units * parts, config.block_h, HEAD_DIM_V, device)
+        part_out, part_lse = partial_buffers(units * parts, config.block_h, HEAD_DIM_V, device)
         part_out.normal_(generator=gen)
         part_lse.normal_(generator=gen)
         out = torch.empty(requests, heads, HEAD_DIM_V, dtype=torch.bfloat16, device=device)

@@ -4,6 +4,9 @@
 # Steps, in order; every step runs even after one fails, so the artifacts are as complete as
 # possible, and the script exits 1 when any step failed:
 #   info          rocm-mla info (and --json into info.json)
+#   aiter_shapes  the AITER the image ships (recorded in /opt/aiter-release.txt at build) serves
+#                 every decode shape the image is for: `rocm-mla info --require-aiter` fails
+#                 the step naming each shape it would refuse and why
 #   pytest_gpu    the tests marked rocm or gpu, junit XML into junit-gpu.xml
 #   bench_kernel  the kernel roofline benchmark, JSON + PNG into bench/
 #   make_tiny     a tiny checkpoint from `rocm-mla make-tiny` (or the given SMOKE_MODEL)
@@ -22,6 +25,9 @@
 #   SMOKE_MATCH_TOKENS    leading tokens the two backends must agree on [4]
 #   SMOKE_GPU_MEMORY      --gpu-memory-utilization of the servers [0.3]
 #   SMOKE_BACKENDS        the two ROCM_MLA_BACKEND values served and compared [aiter triton]
+#   SMOKE_AITER_SHAPES    the decode shapes aiter must serve, kind:heads:q_len[:lse] [MI300X
+#                         serving: bf16 and fp8, 16 and 128 heads, S_q 1/2/4, and the bf16
+#                         DCP decodes that read the LSE]
 #   SMOKE_MODEL           serve this checkpoint instead of making one (make_tiny checks it)
 #   SMOKE_SERVE_ARGS      more `vllm serve` arguments, split on whitespace (e.g. --dtype float32)
 #   SMOKE_DRY_RUN=1       test mode: every step is a stub that succeeds, except the steps named
@@ -44,6 +50,17 @@ mkdir -p "$logs" "$work" || {
 
 step_info() {
 	rocm-mla info && rocm-mla info --json >"$results/info.json"
+}
+
+# What the image serves on MI300X: plain decode of bf16 and fp8 (e4m3fnuz) caches at 16 heads
+# (128-head models at TP8; fewer are padded to 16) and 128 heads (TP1), single tokens and
+# speculative windows of 2 and 4, and under DCP (vLLM's -dcp) the bf16 decodes whose LSE the
+# ranks combine by.
+aiter_shapes="${SMOKE_AITER_SHAPES:-bf16:16:1,bf16:128:1,fp8:16:1,fp8:128:1,bf16:16:2,fp8:16:2,bf16:16:4,bf16:128:4,fp8:16:4,fp8:128:4,bf16:16:1:lse,bf16:128:1:lse}"
+
+step_aiter_shapes() {
+	echo "smoke: the image ships amd-aiter $(cat /opt/aiter-release.txt 2>/dev/null || echo '(release not recorded)')"
+	rocm-mla info --require-aiter "$aiter_shapes"
 }
 
 step_pytest_gpu() {
@@ -206,7 +223,7 @@ if same < need:
 PY
 }
 
-steps=(info pytest_gpu bench_kernel make_tiny "serve_${backends[0]}" "serve_${backends[1]}" compare)
+steps=(info aiter_shapes pytest_gpu bench_kernel make_tiny "serve_${backends[0]}" "serve_${backends[1]}" compare)
 failed=()
 
 for name in "${steps[@]}"; do

@@ -22,6 +22,7 @@ tensor for the caller to read at its own sync (``raise_on_fault`` -> ``KVBoundsE
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +33,7 @@ from rocm_mla.inputs import (
     FAULT_BEYOND_TABLE,
     FAULT_BLOCK_ID,
     FAULT_NEGATIVE_LENGTH,
+    FAULT_ROW_BOUND,
     FP8_DTYPES,
     KV_DTYPES,
     Q_DTYPES,
@@ -51,6 +53,7 @@ __all__ = [
     "FAULT_BEYOND_TABLE",
     "FAULT_BLOCK_ID",
     "FAULT_NEGATIVE_LENGTH",
+    "FAULT_ROW_BOUND",
     "DecodePlan",
     "KVBoundsError",
     "available_backends",
@@ -78,6 +81,9 @@ def plan_decode(
     kv_cache: torch.Tensor | None = None,
     graph_max_seqlen: int | None = None,
     backend: str | None = None,
+    return_lse: bool = True,
+    varlen: bool = False,
+    row_bounds: bool = False,
 ) -> DecodePlan:
     """Plan one decode step: made once, passed as ``plan=`` to every MLA layer's decode.
 
@@ -90,7 +96,8 @@ def plan_decode(
     Args:
         cache_seqlens: ``[B]`` tokens in the cache per request, the ``S_q`` new ones included
             (as ``mla_decode``); a list of ints or an int tensor on any device.
-        q_len: ``S_q``, queries per request. num_heads: query heads the kernel sees.
+        q_len: ``S_q``, queries per request (with ``varlen``, the longest window a call of
+            this plan may bring). num_heads: query heads the kernel sees.
         head_dim_v, rope_dim: V width (512) and rope width (64); ``D`` is their sum.
         kv_dtype: the cache's dtype (fp8 e4m3fn/e4m3fnuz included).
         q_dtype: q's dtype; None means ``kv_dtype`` for a 16/32-bit cache, bfloat16 for fp8.
@@ -105,6 +112,13 @@ def plan_decode(
             ``cache_seqlens`` (only its length ``B`` is used), for a decode captured once in a
             CUDA/HIP graph and replayed on later steps.
         backend: as ``mla_decode``.
+        return_lse: False when the step's calls do not read the LSE (no DCP combine, no
+            ``merge_states``): they then return ``(out, None)``, and a backend that cannot
+            produce an LSE (an AITER release without one) may serve them.
+        varlen: the calls pack windows of different lengths (``mla_decode``'s
+            ``query_start_loc``).
+        row_bounds: the calls give every query row's KV bound (``mla_decode``'s
+            ``row_seqlens``).
 
     Returns:
         A ``DecodePlan`` valid for calls with these shapes and dtypes whose lengths lie in
@@ -118,9 +132,14 @@ def plan_decode(
     for name, value, low in (("q_len", q_len, 1), ("num_heads", num_heads, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"plan_decode: {name} must be an int >= {low}, got {value!r}")
+    for name, value in (("varlen", varlen), ("row_bounds", row_bounds)):
+        if not isinstance(value, bool):
+            raise ValueError(f"plan_decode: {name} must be a bool, got {value!r}")
     for name, value in (("head_dim_v", head_dim_v), ("rope_dim", rope_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"plan_decode: {name} must be an int >= 0, got {value!r}")
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"plan_decode: return_lse must be True or False, got {return_lse!r}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(
             f"plan_decode: kv_dtype must be float32, float16, bfloat16 or fp8 "
@@ -195,6 +214,9 @@ def plan_decode(
         head_dim_v=head_dim_v,
         causal=bool(causal),
         block_size=None if kv_cache is None else kv_cache.shape[1],
+        lse=return_lse,
+        varlen=varlen,
+        row_bounds=row_bounds,
     )
     impl_cls = select_backend(backend, spec)
     return impl_cls.make_plan(
@@ -310,8 +332,7 @@ def plan_schedule(
     )
     groups = -(-(q_len * num_heads) // config.block_h)
     capacity = sch.MAX_KEYS if max_blocks is None else max_blocks * page_size
-    pieces = [sch._pieces(v, capacity) for v in lengths]
-    tables = sch.host_schedule(
+    packing, tables = sch.host_plan(
         lengths,
         num_groups=groups,
         num_slots=slots,
@@ -325,7 +346,7 @@ def plan_schedule(
         num_slots=slots,
         num_groups=groups,
         block_h=config.block_h,
-        budget_keys=sch.search_budget(pieces, groups, slots, num_pools=config.num_xcds),
+        budget_keys=packing.budget,
         num_programs=tables.num_programs,
         num_pools=tables.num_pools,
     )
@@ -344,13 +365,18 @@ def mla_decode(
     backend: str | None = None,
     plan: DecodePlan | None = None,
     fault_flag: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    query_start_loc: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+    row_seqlens: torch.Tensor | None = None,
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed-MLA decode attention over a paged latent KV cache (FlashMLA-shaped).
 
     Args:
         q: ``[B, S_q, H, D]`` float32/float16/bfloat16. Per head, the absorbed query
             (``q_nope @ W_UK`` in the first ``head_dim_v`` columns, ``q_pe`` after). ``S_q``
-            > 1 is a causal verify window (speculative decoding).
+            > 1 is a causal verify window (speculative decoding). With ``query_start_loc``,
+            windows of different lengths packed as ``[T, H, D]``.
         kv_cache: ``[num_blocks, block_size, D]`` or ``[num_blocks, block_size, 1, D]``;
             float32/float16/bfloat16, or fp8 (e4m3fn / e4m3fnuz) with ``kv_scale``.
         block_table: ``[B, max_blocks]`` int32; entry ``j`` of request ``b`` is the cache
@@ -360,8 +386,9 @@ def mla_decode(
             included; ``0 <= cache_seqlens <= max_blocks * block_size``.
         head_dim_v: V width (kv_lora_rank, 512); ``D - head_dim_v`` is the rope width.
         softmax_scale: defaults to ``D ** -0.5``.
-        causal: query ``i`` of ``S_q`` sees keys ``[0, cache_seqlens - S_q + i]``; when
-            False every query sees all ``cache_seqlens`` keys.
+        causal: query ``i`` of a window of ``S_q`` sees keys ``[0, cache_seqlens - S_q + i]``;
+            when False every query sees all ``cache_seqlens`` keys. With ``row_seqlens`` the
+            rows' bounds are given, and causal says they must not decrease along a window.
         kv_scale: per-tensor dequant scale of an fp8 cache (required for fp8, else None; a
             Python float with ``plan``).
         backend: "auto", "aiter", "triton" or "torch"; None reads ``$ROCM_MLA_BACKEND``
@@ -381,14 +408,34 @@ def mla_decode(
             anyway (``raise_on_fault(flag, where)`` raises ``KVBoundsError``). Whether or not
             a flag is given, such a key is never read and the rows that may see it come out
             NaN (out and lse); other rows are exact. A one-shot call checks the values first
-            and raises instead.
+            and raises instead. ``FAULT_ROW_BOUND``: a ``row_seqlens`` entry outside
+            ``[0, cache_seqlens]`` of its request (that row is NaN).
+        query_start_loc: ``[B + 1]`` int32 on q's device, or None. Windows of different
+            lengths (n-gram / MTP / draft verification, as vLLM and FlashInfer pack them):
+            ``q [T, H, D]`` holds window ``b`` in rows ``[qsl[b], qsl[b + 1])``, each of 1 to
+            ``max_q_len`` rows, ``qsl[0] = 0`` and ``qsl[B] = T``; out and lse come packed
+            the same way. Every row of a window shares each KV tile the kernel loads.
+        max_q_len: the longest window with ``query_start_loc`` (a host int; with ``plan``
+            it defaults to the plan's ``q_len``).
+        row_seqlens: int32 on q's device, ``[B, S_q]`` (``[T]`` with ``query_start_loc``),
+            or None: the KV bound of every query row, the keys ``[0, row_seqlens)`` of its
+            request's cache it sees, each in ``[0, cache_seqlens]``. Decode context
+            parallelism needs it: row ``i`` of a causal window sees global positions up to
+            ``L - S_q + i``, of which this rank holds a count that is not ``local(L) - S_q +
+            1 + i`` (``rocm_mla.dcp.verify_local_seq_lens``). All rows of a window still
+            share each KV tile load and mask by their own bound.
+        return_lse: False when the caller does not read the LSE: the call returns
+            ``(out, None)``, and a backend that has no LSE (an AITER release without one) may
+            serve it. Ignored with ``plan`` (``plan_decode``'s ``return_lse`` holds).
 
     Returns:
         ``(out, lse)``: ``out [B, S_q, H, head_dim_v]`` in q's dtype; ``lse [B, S_q, H]``
-        float32, natural log of the softmax denominator (scores already scaled). A row with
+        float32 (``[T, H, head_dim_v]`` and ``[T, H]`` with ``query_start_loc``), natural
+        log of the softmax denominator (scores already scaled). A row with
         no visible key has ``out = 0`` and ``lse = -inf``. A NaN or Inf in an input a row
         sees (q, a visible cache row, an overflowing scale) gives that row out NaN and lse
-        NaN, never a silent zero.
+        NaN, never a silent zero. ``lse`` is None without ``return_lse`` (the plan's, for
+        a planned call).
 
     Raises:
         ValueError: a malformed argument (which one, what was expected, what came), an
@@ -401,6 +448,8 @@ def mla_decode(
             "mla_decode: plan must be a DecodePlan from rocm_mla.plan_decode, got "
             f"{type(plan).__name__}"
         )
+    if query_start_loc is not None and max_q_len is None and plan is not None:
+        max_q_len = plan.spec.q_len
     problem = prepare_decode(
         q,
         kv_cache,
@@ -412,7 +461,14 @@ def mla_decode(
         kv_scale=kv_scale,
         check_values=plan is None,
         fault_flag=fault_flag,
+        query_start_loc=query_start_loc,
+        max_q_len=max_q_len,
+        row_seqlens=row_seqlens,
     )
+    if plan is None:
+        if not isinstance(return_lse, bool):
+            raise ValueError(f"mla_decode: return_lse must be True or False, got {return_lse!r}")
+        problem = dataclasses.replace(problem, lse=return_lse)
     impl_cls = select_backend(backend, problem) if plan is None else backend_class(plan.backend)
     impl = impl_cls(
         num_heads=problem.num_heads,

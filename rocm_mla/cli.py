@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +19,9 @@ from rocm_mla.backends import (
     backend_class,
     requested_backend,
 )
-from rocm_mla.integrations.vllm.report import example_decode_line
+from rocm_mla.backends.aiter import FP8_BY_ARCH, AiterMLAImpl, installed_report
+from rocm_mla.inputs import DecodeSpec
+from rocm_mla.integrations.common import example_decode_line
 from rocm_mla.kernels.target import SUPPORTED_TRITON
 from rocm_mla.platform import current_platform, package_version, torch_build
 
@@ -57,7 +59,10 @@ def info_dict() -> dict:
         },
         "triton": package_version("triton") or package_version("pytorch-triton-rocm"),
         "triton_supported": str(SUPPORTED_TRITON),
-        "aiter": package_version("amd-aiter") or package_version("aiter"),
+        "aiter": {
+            "version": package_version("amd-aiter") or package_version("aiter"),
+            **installed_report(),
+        },
         "backends": backends,
         "selected": requested_backend(),
         "decode": example_decode_line(torch.device("cpu" if plat.kind == "cpu" else "cuda")),
@@ -65,11 +70,50 @@ def info_dict() -> dict:
     }
 
 
+#: ``rocm-mla info --require-aiter``'s shape syntax: cache kind, query heads, S_q, and
+#: ``:lse`` for a call that reads the LSE (DCP).
+_AITER_SHAPE = re.compile(r"(bf16|fp8):([1-9][0-9]*):([1-9][0-9]*)(:lse)?")
+
+
+def aiter_verdicts(shapes: str) -> list[tuple[str, list[str]]]:
+    """``(shape, reasons)`` for each comma-separated ``kind:heads:q_len[:lse]`` of
+    ``shapes`` (``bf16:128:1``, ``fp8:16:4``, ``bf16:128:1:lse``): the reasons the AITER
+    backend would refuse that decode on this machine (empty: it serves it). An fp8 cache is
+    AITER's fp8 for the GPU's arch."""
+    arch = current_platform().arch
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    verdicts = []
+    for shape in shapes.split(","):
+        found = _AITER_SHAPE.fullmatch(shape.strip())
+        if found is None:
+            raise ValueError(
+                f"--require-aiter: expected shapes like bf16:128:1, fp8:16:4 or "
+                f"bf16:128:1:lse (cache, heads, q_len, LSE), got {shape.strip()!r}"
+            )
+        kind, heads, q_len, lse = found.groups()
+        fp8 = FP8_BY_ARCH.get(arch or "", torch.float8_e4m3fnuz)
+        spec = DecodeSpec(
+            device=device,
+            q_dtype=torch.bfloat16,
+            kv_dtype=fp8 if kind == "fp8" else torch.bfloat16,
+            num_heads=int(heads),
+            q_len=int(q_len),
+            head_dim=576,
+            head_dim_v=512,
+            lse=lse is not None,
+        )
+        verdicts.append((shape.strip(), AiterMLAImpl.unsupported_reasons(spec)))
+    return verdicts
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     info = info_dict()
+    verdicts = [] if args.require_aiter is None else aiter_verdicts(args.require_aiter)
+    refused = [shape for shape, reasons in verdicts if reasons]
     if args.json:
+        info["require_aiter"] = dict(verdicts) if verdicts else None
         print(json.dumps(info, indent=2))
-        return 0
+        return 1 if refused else 0
     plat = info["platform"]
     where = (
         plat["kind"]
@@ -82,7 +126,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     build = t["build"] + (f" {t['hip'] or t['cuda']}" if t["build"] != "cpu" else "")
     print(f"torch:    {t['version']} ({build})")
     print(f"triton:   {info['triton'] or 'not installed'} (supported: {info['triton_supported']})")
-    print(f"aiter:    {info['aiter'] or 'not installed'}")
+    aiter = info["aiter"]
+    print(f"aiter:    {aiter['version'] or 'not installed'}")
+    if aiter["features"] is not None:
+        has = [name for name, present in aiter["features"].items() if present]
+        lacks = [name for name, present in aiter["features"].items() if not present]
+        print(f"          {aiter['summary']}")
+        print(f"          has: {', '.join(has) or 'none'}; lacks: {', '.join(lacks) or 'none'}")
     print("backends:")
     for name, b in info["backends"].items():
         if b["available"]:
@@ -95,6 +145,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"selected: {info['selected']} (from {ENV_VAR}, default auto)")
     print(f"decode:   {info['decode']}")
     print("env:      " + (", ".join(f"{k}={v}" for k, v in info["env"].items()) or "(none set)"))
+    for shape, reasons in verdicts:
+        verdict = f"refuses it: {'; '.join(reasons)}" if reasons else "serves it"
+        print(f"aiter {shape}: {verdict}")
+    if refused:
+        print(
+            f"rocm-mla info: the aiter backend would refuse {', '.join(refused)} (--require-aiter)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -320,19 +379,21 @@ BENCHMARKS = {
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    # The benchmarks ship with the source tree, not the wheel: run from a checkout.
+    """Run a benchmark of the source checkout the package was installed from (editable):
+    ``python -m benchmarks.<name>`` in the checkout, its exit code returned. The benchmarks
+    are a layer of the source tree, not of the wheel; nothing is added to this process's
+    import path."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "benchmarks" / "common.py").exists():
         print(
-            f"rocm-mla bench: no benchmarks/ next to the package ({root}); run it from a "
-            "source checkout of rocm-mla",
+            f"rocm-mla bench: no benchmarks/ next to the package ({root}); the benchmarks "
+            "ship with the source tree: in a checkout, `pip install -e .` and run "
+            f"`rocm-mla bench {args.which}` (or `python -m {BENCHMARKS[args.which]}`) there",
             file=sys.stderr,
         )
         return 2
-    sys.path.insert(0, str(root))
-    module = importlib.import_module(BENCHMARKS[args.which])
-    module.main(args.rest)
-    return 0
+    done = subprocess.run([sys.executable, "-m", BENCHMARKS[args.which], *args.rest], cwd=root)
+    return done.returncode
 
 
 def _engine_args(p: argparse.ArgumentParser, pp: int, tp: int, dcp: int) -> None:
@@ -356,6 +417,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="platform, versions, backends and why any cannot run")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--require-aiter",
+        metavar="SHAPES",
+        default=None,
+        help="exit 1 unless the aiter backend serves each decode shape, comma-separated "
+        "kind:heads:q_len[:lse] (bf16:128:1,fp8:16:4,bf16:128:1:lse)",
+    )
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser(

@@ -47,6 +47,9 @@ FAULT_BEYOND_TABLE = 2
 FAULT_BEYOND_PLAN = 4
 #: (planned calls) a negative length: every row of that request is NaN.
 FAULT_NEGATIVE_LENGTH = 8
+#: (planned calls with ``row_seqlens``) a row's KV bound outside ``[0, its request's length]``:
+#: that row is NaN.
+FAULT_ROW_BOUND = 16
 _FAULT_TEXT = {
     FAULT_BLOCK_ID: "a block id a row may see is outside [0, num_blocks)",
     FAULT_BEYOND_TABLE: "a length exceeds the block table's capacity (max_blocks * block_size)",
@@ -54,6 +57,7 @@ _FAULT_TEXT = {
         "the lengths exceed what the plan covers (its max_seqlen or total_seqlen; re-plan the step)"
     ),
     FAULT_NEGATIVE_LENGTH: "a length is negative",
+    FAULT_ROW_BOUND: "a row's KV bound (row_seqlens) lies outside [0, its request's length]",
 }
 
 
@@ -102,6 +106,15 @@ class DecodeSpec:
     block_size: int | None = None  #: None: not known yet (checked at the call)
     #: whether the paged cache has a page-size-1 view without a copy (None: not known yet)
     kv_pages_even: bool | None = None
+    #: whether the caller reads the LSE (DCP's combine, ``merge_states``); with False
+    #: (``return_lse=False`` of ``plan_decode`` / ``mla_decode``) the call returns ``lse``
+    #: None, and a backend that has no LSE (an AITER release without one) may serve it.
+    lse: bool = True
+    #: windows of different lengths: q packed ``[T, H, D]`` with ``query_start_loc``, and
+    #: ``q_len`` the longest window
+    varlen: bool = False
+    #: every query row's KV bound given (``row_seqlens``), not derived from ``causal``
+    row_bounds: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device))
@@ -130,7 +143,10 @@ class DecodePlan:
 
     @property
     def min_visible(self) -> int:
-        """Keys every query row of every request is sure to see (0 when not causal-known)."""
+        """Keys every query row of every request is sure to see (0 when rows carry their
+        own bounds)."""
+        if self.spec.row_bounds:
+            return 0
         if self.spec.causal:
             return max(0, self.min_seqlen - (self.spec.q_len - 1))
         return self.min_seqlen
@@ -138,9 +154,17 @@ class DecodePlan:
 
 @dataclass(frozen=True)
 class DecodeProblem:
-    """The validated arguments of one decode call, in the layout every backend consumes."""
+    """The validated arguments of one decode call, in the layout every backend consumes.
 
-    q: torch.Tensor  #: [B, S_q, H, D]
+    Two query layouts: uniform windows, ``q [B, S_q, H, D]``; or windows of different
+    lengths (``varlen``), ``q [T, H, D]`` packed request after request with
+    ``query_start_loc [B + 1]`` (window ``b`` is rows ``[qsl[b], qsl[b + 1])``) and ``q_len``
+    the longest window. A query row is one token of a window; ``row_seqlens``, when given,
+    holds the KV bound of every one, flat ``[T]`` in q's token order (``T = B * S_q`` for
+    uniform windows).
+    """
+
+    q: torch.Tensor  #: [B, S_q, H, D], or [T, H, D] with query_start_loc
     kv_cache: torch.Tensor  #: [num_blocks, block_size, D] (a view; 4-D caches are squeezed)
     block_table: torch.Tensor  #: [B, max_blocks] int32
     cache_seqlens: torch.Tensor  #: [B] int32
@@ -153,22 +177,41 @@ class DecodeProblem:
     #: ``(min, max, sum)`` of ``cache_seqlens`` as the value checks read them (a one-shot
     #: call plans from it without reading again); None when they did not run
     seqlen_range: tuple[int, int, int] | None = None
+    #: whether the caller reads the LSE (``DecodeSpec.lse``)
+    lse: bool = True
+    #: [B + 1] int32 window starts in q's tokens (varlen), else None
+    query_start_loc: torch.Tensor | None = None
+    #: the longest window (varlen; uniform windows read it from q's shape)
+    max_q_len: int | None = None
+    #: [T] int32 contiguous, the keys of its request's cache each query row sees, or None:
+    #: then ``L - S_q + 1 + i`` for row ``i`` of a causal window of ``S_q``, else ``L``
+    row_seqlens: torch.Tensor | None = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.query_start_loc is not None
 
     @property
     def batch(self) -> int:
-        return self.q.shape[0]
+        return self.query_start_loc.shape[0] - 1 if self.varlen else self.q.shape[0]
 
     @property
     def q_len(self) -> int:
-        return self.q.shape[1]
+        """The longest window (every window's length with uniform windows)."""
+        return self.max_q_len if self.varlen else self.q.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        """``T``, query rows over all windows."""
+        return self.q.shape[0] if self.varlen else self.q.shape[0] * self.q.shape[1]
 
     @property
     def num_heads(self) -> int:
-        return self.q.shape[2]
+        return self.q.shape[-2]
 
     @property
     def head_dim(self) -> int:
-        return self.q.shape[3]
+        return self.q.shape[-1]
 
     @property
     def num_blocks(self) -> int:
@@ -195,6 +238,9 @@ class DecodeProblem:
             causal=self.causal,
             block_size=self.block_size,
             kv_pages_even=even,
+            lse=self.lse,
+            varlen=self.varlen,
+            row_bounds=self.row_seqlens is not None,
         )
 
 
@@ -218,6 +264,9 @@ def prepare_decode(
     kv_scale: float | torch.Tensor | None,
     check_values: bool = True,
     fault_flag: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+    row_seqlens: torch.Tensor | None = None,
 ) -> DecodeProblem:
     """Check every argument of ``mla_decode`` and return the normalized problem.
 
@@ -235,6 +284,9 @@ def prepare_decode(
         kv_scale=kv_scale,
         read_scale=check_values,
         fault_flag=fault_flag,
+        query_start_loc=query_start_loc,
+        max_q_len=max_q_len,
+        row_seqlens=row_seqlens,
     )
     if check_values:
         problem = dataclasses.replace(problem, seqlen_range=check_decode_values(problem))
@@ -257,6 +309,9 @@ def check_decode_args(
     kv_scale: float | torch.Tensor | None,
     read_scale: bool = True,
     fault_flag: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+    row_seqlens: torch.Tensor | None = None,
 ) -> DecodeProblem:
     """The shape/dtype/device checks of ``mla_decode``: host metadata only, no tensor read
     (except a ``kv_scale`` tensor when ``read_scale``)."""
@@ -269,11 +324,18 @@ def check_decode_args(
         if not isinstance(t, torch.Tensor):
             raise _fail(name, "a torch.Tensor", type(t).__name__)
 
-    if q.dim() != 4:
-        raise _fail("q", "4-D [batch, q_len, num_heads, head_dim]", _describe(q))
+    if query_start_loc is None:
+        if max_q_len is not None:
+            raise _fail("max_q_len", "None without query_start_loc (uniform windows)", max_q_len)
+        if q.dim() != 4:
+            raise _fail("q", "4-D [batch, q_len, num_heads, head_dim]", _describe(q))
+        batch, q_len, num_heads, head_dim = q.shape
+        tokens = batch * q_len
+    else:
+        batch, q_len = _check_windows(q, query_start_loc, max_q_len)
+        tokens, num_heads, head_dim = q.shape
     if q.dtype not in Q_DTYPES:
         raise _fail("q", "float32, float16 or bfloat16", _describe(q))
-    batch, q_len, num_heads, head_dim = q.shape
     if batch < 1 or q_len < 1 or num_heads < 1:
         raise _fail("q", "non-empty in batch, q_len and num_heads", _describe(q))
     if (
@@ -371,6 +433,21 @@ def check_decode_args(
         if not same_device(fault_flag.device, q.device):
             raise _fail("fault_flag", f"on q's device {q.device}", fault_flag.device)
 
+    if row_seqlens is not None:
+        expected = "[T]" if query_start_loc is not None else f"[{batch}, {q_len}]"
+        shape = (tokens,) if query_start_loc is not None else (batch, q_len)
+        if not isinstance(row_seqlens, torch.Tensor):
+            raise _fail("row_seqlens", f"an int32 tensor {expected} or None", type(row_seqlens))
+        if tuple(row_seqlens.shape) != shape or row_seqlens.dtype != torch.int32:
+            raise _fail(
+                "row_seqlens",
+                f"int32 {expected} = {list(shape)}, one KV bound per query row",
+                _describe(row_seqlens),
+            )
+        if not same_device(row_seqlens.device, q.device):
+            raise _fail("row_seqlens", f"on q's device {q.device}", row_seqlens.device)
+        row_seqlens = row_seqlens.reshape(tokens).contiguous()
+
     return DecodeProblem(
         q=q,
         kv_cache=kv_cache,
@@ -381,7 +458,33 @@ def check_decode_args(
         causal=bool(causal),
         kv_scale=kv_scale if kv_cache.dtype in FP8_DTYPES else None,
         fault_flag=fault_flag,
+        query_start_loc=query_start_loc,
+        max_q_len=max_q_len,
+        row_seqlens=row_seqlens,
     )
+
+
+def _check_windows(
+    q: torch.Tensor, query_start_loc: torch.Tensor, max_q_len: int | None
+) -> tuple[int, int]:
+    """Shapes of packed windows of different lengths: ``(B, max_q_len)``."""
+    if q.dim() != 3:
+        raise _fail(
+            "q", "3-D [T, num_heads, head_dim] (windows packed) with query_start_loc", _describe(q)
+        )
+    if not isinstance(query_start_loc, torch.Tensor):
+        raise _fail("query_start_loc", "an int32 tensor [B + 1] or None", type(query_start_loc))
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 2:
+        raise _fail("query_start_loc", "1-D [B + 1] with B >= 1", _describe(query_start_loc))
+    if query_start_loc.dtype != torch.int32:
+        raise _fail("query_start_loc", "int32", query_start_loc.dtype)
+    if not same_device(query_start_loc.device, q.device):
+        raise _fail("query_start_loc", f"on q's device {q.device}", query_start_loc.device)
+    if isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 1:
+        raise _fail(
+            "max_q_len", "the longest window, an int >= 1, with query_start_loc", repr(max_q_len)
+        )
+    return query_start_loc.shape[0] - 1, max_q_len
 
 
 def planned_lengths(where: str, cache_seqlens: object) -> torch.Tensor | list[int]:
@@ -408,14 +511,103 @@ def planned_lengths(where: str, cache_seqlens: object) -> torch.Tensor | list[in
 
 
 def check_decode_values(problem: DecodeProblem) -> tuple[int, int, int]:
-    """Lengths within the block table's capacity and used block ids in range; returns the
-    lengths' ``(min, max, sum)``. One host read (``check_seqlens_and_blocks``)."""
+    """Lengths within the block table's capacity, used block ids in range, and the windows'
+    starts and row bounds well formed; returns the lengths' ``(min, max, sum)``. One host
+    read (``check_seqlens_and_blocks``)."""
+    windows = None
+    if problem.varlen or problem.row_seqlens is not None:
+        windows = Windows(
+            num_tokens=problem.num_tokens,
+            q_len=problem.q_len,
+            causal=problem.causal,
+            query_start_loc=problem.query_start_loc,
+            row_seqlens=problem.row_seqlens,
+        )
     return check_seqlens_and_blocks(
         problem.cache_seqlens,
         problem.block_table,
         block_size=problem.block_size,
         num_blocks=problem.num_blocks,
+        windows=windows,
     )
+
+
+@dataclass(frozen=True)
+class Windows:
+    """The query windows of a call, for their value checks (``check_seqlens_and_blocks``)."""
+
+    num_tokens: int  #: T, query rows in all
+    q_len: int  #: the longest window (every window's length when not varlen)
+    causal: bool
+    query_start_loc: torch.Tensor | None  #: [B + 1] int32, or None: uniform windows
+    row_seqlens: torch.Tensor | None  #: [T] int32, or None
+
+    def token_requests(self, device: torch.device) -> torch.Tensor:
+        """``[T]`` int64: the request of each query row."""
+        tokens = torch.arange(self.num_tokens, device=device)
+        if self.query_start_loc is None:
+            return tokens // self.q_len
+        starts = self.query_start_loc.to(device=device, dtype=torch.int64)[1:]
+        return torch.searchsorted(starts, tokens, right=True)
+
+    def value_parts(self, lens: torch.Tensor) -> list[torch.Tensor]:
+        """What the checks read, reduced on ``lens``' device: window starts (first, last,
+        windows outside ``[1, q_len]`` and the first of them), then row bounds (outside
+        ``[0, L]``, the first and its value, decreasing in a causal window, the first)."""
+        device = lens.device
+        parts = []
+        if self.query_start_loc is not None:
+            qsl = self.query_start_loc.to(device=device, dtype=torch.int64)
+            sizes = qsl[1:] - qsl[:-1]
+            bad = (sizes < 1) | (sizes > self.q_len)
+            parts += [qsl[0], qsl[-1], bad.sum(), bad.to(torch.uint8).argmax()]
+        if self.row_seqlens is not None:
+            rows = self.row_seqlens.to(device=device, dtype=torch.int64)
+            requests = self.token_requests(device).clamp(0, lens.shape[0] - 1)
+            outside = (rows < 0) | (rows > lens[requests])
+            first = outside.to(torch.uint8).argmax()
+            parts += [outside.sum(), first, rows[first]]
+            if self.causal and self.num_tokens > 1:
+                same_window = requests[1:] == requests[:-1]
+                decreasing = same_window & (rows[1:] < rows[:-1])
+                parts += [decreasing.sum(), decreasing.to(torch.uint8).argmax() + 1]
+            else:
+                parts += [torch.zeros((), dtype=torch.int64, device=device)] * 2
+        return parts
+
+    def raise_on(self, values: list[int]) -> None:
+        """Raise for the first failed check in ``values`` (``value_parts``, read back)."""
+        if self.query_start_loc is not None:
+            first, last, bad, which = values[:4]
+            values = values[4:]
+            if first != 0 or last != self.num_tokens:
+                raise _fail(
+                    "query_start_loc",
+                    f"window starts from 0 to T = {self.num_tokens} (q's rows)",
+                    f"{first} to {last}",
+                )
+            if bad:
+                raise _fail(
+                    "query_start_loc",
+                    f"windows of 1 to max_q_len = {self.q_len} rows",
+                    f"{bad} windows outside that, first request {which}",
+                )
+        if self.row_seqlens is not None:
+            outside, first, value, decreasing, where = values
+            if outside:
+                raise _fail(
+                    "row_seqlens",
+                    "KV bounds in [0, cache_seqlens] of each row's request (a row cannot "
+                    "see keys its request does not have)",
+                    f"{outside} rows outside, first row {first} with {value}",
+                )
+            if decreasing:
+                raise _fail(
+                    "row_seqlens",
+                    "non-decreasing along each causal window (a later query sees at least "
+                    "the keys an earlier one does)",
+                    f"{decreasing} decreases, first at row {where}",
+                )
 
 
 def check_seqlens_and_blocks(
@@ -424,10 +616,11 @@ def check_seqlens_and_blocks(
     *,
     block_size: int | None,
     num_blocks: int | None,
+    windows: Windows | None = None,
 ) -> tuple[int, int, int]:
-    """The value checks: ``0 <= cache_seqlens <= capacity`` and every block id a length uses
-    in ``[0, num_blocks)``; parts whose inputs are None are skipped. Returns the lengths'
-    ``(min, max, sum)``.
+    """The value checks: ``0 <= cache_seqlens <= capacity``, every block id a length uses
+    in ``[0, num_blocks)`` and, with ``windows``, their starts and row bounds (``Windows``);
+    parts whose inputs are None are skipped. Returns the lengths' ``(min, max, sum)``.
 
     Every check is reduced on the tensors' device (the block table's, when it is checked)
     into one small tensor, read back once: one host sync on a GPU, whatever fails.
@@ -454,7 +647,12 @@ def check_seqlens_and_blocks(
         first = used_bad.to(torch.uint8).argmax().reshape(1)
         first_id = block_table.reshape(-1).index_select(0, first)[0]
         parts += [used_bad.sum(), first_id.to(torch.int64)]
+    window_at = len(parts)
+    if windows is not None:
+        parts += [v.to(torch.int64).reshape(()) for v in windows.value_parts(lens)]
     values = torch.stack(parts).tolist()
+    if windows is not None:
+        windows.raise_on(values[window_at:])
     lo, hi, total = values[:3]
     if lo < 0:
         raise _fail("cache_seqlens", "non-negative", f"a minimum of {lo}")
@@ -505,10 +703,48 @@ def check_finite(problem: DecodeProblem) -> None:
         )
 
 
+def row_bound_faults(problem: DecodeProblem) -> torch.Tensor:
+    """``[B, S_q]`` bool: rows whose given KV bound (``row_seqlens``) lies outside ``[0, L]``
+    of their request (a broken contract: such a row comes out NaN, ``FAULT_ROW_BOUND``);
+    all False without ``row_seqlens``. Rows past a window's end are never faults."""
+    p = problem
+    if p.row_seqlens is None:
+        return torch.zeros(p.batch, p.q_len, dtype=torch.bool, device=p.q.device)
+    tokens, in_window = _window_tokens(p)
+    rows = p.row_seqlens.to(torch.int64)[tokens]
+    lens = p.cache_seqlens.to(torch.int64)[:, None]
+    return in_window & ((rows < 0) | (rows > lens))
+
+
+def _window_tokens(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, S_q] int64 token of row i of window b (clamped into [0, T)), [B, S_q] whether
+    the window has that row)``."""
+    offs = torch.arange(p.q_len, device=p.q.device)[None, :]
+    if p.varlen:
+        qsl = p.query_start_loc.to(torch.int64)
+        starts, sizes = qsl[:-1, None], (qsl[1:] - qsl[:-1])[:, None]
+    else:
+        starts = torch.arange(p.batch, device=p.q.device)[:, None] * p.q_len
+        sizes = torch.full_like(starts, p.q_len)
+    tokens = (starts + offs).clamp(0, max(p.num_tokens - 1, 0))
+    return tokens, offs < sizes
+
+
 def visible_lengths(problem: DecodeProblem) -> torch.Tensor:
-    """[B, S_q] int64: how many keys query row i sees (``L - S_q + 1 + i`` when causal, >= 0)."""
-    lens = problem.cache_seqlens.to(torch.int64)[:, None]
-    if not problem.causal:
-        return lens.expand(-1, problem.q_len)
-    offs = torch.arange(problem.q_len, device=lens.device) - (problem.q_len - 1)
-    return (lens + offs[None, :]).clamp_(min=0)
+    """``[B, S_q]`` int64: how many keys query row ``i`` of each window sees, ``>= 0``.
+
+    ``row_seqlens`` where given; else ``L - q + 1 + i`` for a causal window of ``q`` rows,
+    ``L`` without causality. With windows of different lengths (varlen) ``S_q`` is the
+    longest and the rows past a window's end see 0 keys.
+    """
+    p = problem
+    lens = p.cache_seqlens.to(torch.int64)[:, None]
+    tokens, in_window = _window_tokens(p)
+    if p.row_seqlens is not None:
+        visible = p.row_seqlens.to(torch.int64)[tokens]
+    elif p.causal:
+        sizes = in_window.sum(dim=1, keepdim=True)
+        visible = lens - sizes + 1 + torch.arange(p.q_len, device=lens.device)[None, :]
+    else:
+        visible = lens.expand(-1, p.q_len)
+    return torch.where(in_window, visible, 0).clamp_(min=0)

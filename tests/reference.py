@@ -23,8 +23,12 @@ def dense_mla_decode(
     softmax_scale=None,
     causal=True,
     kv_scale=None,
+    row_seqlens=None,
 ):
-    """Returns (out [B, S_q, H, Dv] float64, lse [B, S_q, H] float64)."""
+    """Returns (out [B, S_q, H, Dv] float64, lse [B, S_q, H] float64).
+
+    ``row_seqlens`` ``[B, S_q]``: row ``i`` of request ``b`` sees the first
+    ``row_seqlens[b][i]`` keys (``causal`` then plays no part)."""
     if kv_cache.dim() == 4:
         kv_cache = kv_cache[:, :, 0]
     batch, q_len, num_heads, head_dim = q.shape
@@ -42,7 +46,10 @@ def dense_mla_decode(
             continue
         keys = torch.stack(rows).to(torch.float64) * deq  # [L, D]
         for i in range(q_len):
-            visible = length - q_len + 1 + i if causal else length
+            if row_seqlens is not None:
+                visible = int(row_seqlens[b][i])
+            else:
+                visible = length - q_len + 1 + i if causal else length
             if visible <= 0:
                 continue
             k = keys[:visible]
@@ -50,6 +57,53 @@ def dense_mla_decode(
             lse[b, i] = torch.logsumexp(s, dim=-1)
             out[b, i] = torch.softmax(s, dim=-1) @ k[:, :head_dim_v]
     return out, lse
+
+
+def dense_varlen_mla_decode(q, query_start_loc, kv_cache, block_table, cache_seqlens, **kw):
+    """``dense_mla_decode`` of packed windows: ``q [T, H, D]``, window ``b`` in rows
+    ``[qsl[b], qsl[b + 1])``; ``row_seqlens`` (optional) ``[T]``. Returns (out [T, H, Dv],
+    lse [T, H]) float64, each window decoded on its own."""
+    row_seqlens = kw.pop("row_seqlens", None)
+    qsl = [int(v) for v in query_start_loc]
+    outs, lses = [], []
+    for b in range(len(qsl) - 1):
+        window = q[qsl[b] : qsl[b + 1]][None]
+        rows = None if row_seqlens is None else [list(row_seqlens[qsl[b] : qsl[b + 1]])]
+        out, lse = dense_mla_decode(
+            window,
+            kv_cache,
+            block_table[b : b + 1],
+            cache_seqlens[b : b + 1],
+            row_seqlens=rows,
+            **kw,
+        )
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses)
+
+
+def dcp_shard(kv, block_table, lengths, world, rank, interleave, block_size=64):
+    """DCP rank ``rank``'s cache of a global paged cache (pages of ``kv.shape[1]``): the
+    tokens it owns (``rocm_mla.dcp.owner_rank``), in order, as a dense prefix of its own
+    pages of ``block_size`` (the layout ``rocm_mla.dcp.slot_mapping`` writes), NaN elsewhere.
+    Returns ``(cache, block_table, local lengths int32)``."""
+    from rocm_mla.dcp import local_seq_lens, owner_rank
+
+    local = local_seq_lens(torch.tensor(lengths), world, rank, interleave).tolist()
+    pages = [max(1, -(-n // block_size)) for n in local]
+    shard = torch.full((sum(pages) + 1, block_size, kv.shape[-1]), math.nan, dtype=kv.dtype)
+    table = torch.full((len(lengths), max(pages)), -1, dtype=torch.int32)
+    page, source_block = 0, kv.shape[1]
+    for b, length in enumerate(lengths):
+        positions = torch.arange(length)
+        mine = positions[owner_rank(positions, world, interleave) == rank]
+        for j in range(pages[b]):
+            table[b, j] = page + j
+        for slot, p in enumerate(mine.tolist()):
+            source = kv[int(block_table[b, p // source_block]), p % source_block]
+            shard[page + slot // block_size, slot % block_size] = source
+        page += pages[b]
+    return shard, table, torch.tensor(local, dtype=torch.int32)
 
 
 def make_paged_problem(

@@ -28,7 +28,7 @@ def group_config(
         config = mla_decode_args.default_config(
             triton_target(), num_heads=heads, q_len=q_len, kv_dtype=kv_dtype
         )
-    return mla_decode_args._group_config(config, q_len * heads)
+    return mla_decode_args.group_config(config, q_len * heads)
 
 
 def num_groups(
@@ -82,7 +82,7 @@ def piece_slots(lengths: Sequence[int] | torch.Tensor, *, groups: int, capacity_
     checks that the planner does)."""
     if isinstance(lengths, torch.Tensor):
         lengths = [int(v) for v in lengths.cpu().tolist()]
-    longest = max(sch._pieces(int(n), capacity_keys) for n in lengths)
+    longest = max(sch.pieces_of(int(n), capacity_keys) for n in lengths)
     return groups * len(lengths) * max(1, longest)
 
 
@@ -93,7 +93,7 @@ def assert_cuts_long_requests(
     least one); returns them."""
     if isinstance(lengths, torch.Tensor):
         lengths = [int(v) for v in lengths.cpu().tolist()]
-    long = {b for b, n in enumerate(lengths) if sch._pieces(int(n), capacity_keys) > 1}
+    long = {b for b, n in enumerate(lengths) if sch.pieces_of(int(n), capacity_keys) > 1}
     got = cut_requests(lengths, groups=groups, slots=slots, capacity_keys=capacity_keys)
     assert long, f"no request of {lengths} spans two pieces: nothing to cut"
     assert got == long, f"{slots} slots cut requests {got}, expected {long}"

@@ -1,13 +1,15 @@
 """The aiter backend on CPU: metadata, padding, scales and LSE through a model of AITER's
-interface, and every reason it cannot run.
+interface (ROCm/aiter's current one), and every reason it cannot run.
 
 The kernel itself needs gfx942/gfx950 (tests/test_aiter_rocm.py). Here the backend's one
 kernel lookup, ``_aiter_mla``, is pointed at ``tests/aiter_interface_model.py`` and the
-backend must then agree with the torch backend at fp32 precision.
+backend must then agree with the torch backend at fp32 precision. Other releases' interfaces
+(amd-aiter 0.1.7.post2.dev18 from PyPI among them): tests/test_aiter_releases.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import pytest
@@ -43,8 +45,9 @@ def problem_of(q, kv, bt, lens, *, causal=True, kv_scale=None, softmax_scale=Non
 
 @pytest.fixture
 def interface_model(monkeypatch):
-    """Route the backend's kernel lookup to the interface model (test-only)."""
-    monkeypatch.setattr(aiter_backend, "_aiter_mla", lambda: aiter_interface_model)
+    """Route the backend's kernel lookup to the interface model (test-only), as the release
+    it models."""
+    aiter_interface_model.use_in_backend(monkeypatch)
 
 
 @pytest.fixture
@@ -123,8 +126,25 @@ MODEL_GRID = [
 
 
 def check_equal_to_torch(problem, out, lse):
-    ref_out, ref_lse = TorchMLAImpl(problem.num_heads).run(problem)
-    assert_same_attention(out, lse, ref_out, ref_lse, 1e-5)
+    """``out`` (and ``lse``, unless the call went without) equal the torch backend's."""
+    ref_out, ref_lse = TorchMLAImpl(problem.num_heads).run(dataclasses.replace(problem, lse=True))
+    if problem.lse:
+        assert_same_attention(out, lse, ref_out, ref_lse, 1e-5)
+        return
+    assert lse is None
+    # The out rule without a kernel LSE: the torch LSE marks the empty rows.
+    assert_same_attention(out, ref_lse, ref_out, ref_lse, 1e-5)
+
+
+def run_as_the_release_allows(impl, problem):
+    """``impl.run(problem)`` with the LSE where the modeled release returns a correct one
+    for this call; elsewhere the call asking for it is refused by name first."""
+    release = aiter_backend.installed_release(aiter_backend._aiter_mla)
+    if release.lse_reason(problem.spec) is not None:
+        with pytest.raises(ValueError, match=f"amd-aiter {release.version}"):
+            impl.run(problem)
+        problem = dataclasses.replace(problem, lse=False)
+    return problem, *impl.run(problem)
 
 
 @pytest.mark.parametrize(("lengths", "heads", "q_len", "block"), MODEL_GRID)
@@ -132,15 +152,17 @@ def test_through_interface_model_equals_torch(interface_model, lengths, heads, q
     q, kv, bt, lens = make_paged_problem(
         lengths, num_heads=heads, q_len=q_len, block_size=block, seed=heads
     )
-    problem = problem_of(q, kv, bt, lens)
-    out, lse = AiterMLAImpl(heads).run(problem)
+    problem, out, lse = run_as_the_release_allows(AiterMLAImpl(heads), problem_of(q, kv, bt, lens))
     check_equal_to_torch(problem, out, lse)
+    # Without the LSE every shape of the grid runs.
+    problem = dataclasses.replace(problem, lse=False)
+    check_equal_to_torch(problem, *AiterMLAImpl(heads).run(problem))
 
 
 def test_custom_scale_and_4d_cache(interface_model):
     q, kv, bt, lens = make_paged_problem([9, 26], num_heads=16, q_len=2, four_d=True, seed=3)
     problem = problem_of(q, kv, bt, lens, softmax_scale=0.07)
-    out, lse = AiterMLAImpl(16, softmax_scale=0.07).run(problem)
+    problem, out, lse = run_as_the_release_allows(AiterMLAImpl(16, softmax_scale=0.07), problem)
     check_equal_to_torch(problem, out, lse)
 
 
@@ -150,13 +172,14 @@ def test_fp8_scales_reach_the_kernel(interface_model, fp8, heads):
     q, kv, bt, lens = make_paged_problem([23, 1, 50], num_heads=heads, q_len=2, seed=5)
     kv_fp8 = (kv * 4.0).to(fp8)
     problem = problem_of(q, kv_fp8, bt, lens, kv_scale=0.25)
-    out, lse = AiterMLAImpl(heads).run(problem)
+    problem, out, lse = run_as_the_release_allows(AiterMLAImpl(heads), problem)
     # The backend quantizes q per tensor; the torch backend on that same dequantized q and
     # the same fp8 cache isolates the scale plumbing from the quantization error.
     q_fp8, q_scale = quantize_per_tensor(q, fp8)
     q_deq = q_fp8.to(torch.float32) * q_scale
     assert (q_deq - q).abs().max() > 1e-4  # q really went through fp8
-    check_equal_to_torch(problem_of(q_deq, kv_fp8, bt, lens, kv_scale=0.25), out, lse)
+    reference = problem_of(q_deq, kv_fp8, bt, lens, kv_scale=0.25)
+    check_equal_to_torch(dataclasses.replace(reference, lse=problem.lse), out, lse)
 
 
 def test_quantize_per_tensor_round_trip():
@@ -198,14 +221,14 @@ def test_package_never_imports_the_interface_model():
 # ---- reasons --------------------------------------------------------------------------
 
 
-def bf16_problem(lengths=(20, 3), heads=16, q_len=1, kv_dtype=torch.bfloat16, **kw):
+def bf16_problem(lengths=(20, 3), heads=16, q_len=1, kv_dtype=torch.bfloat16, lse=True, **kw):
     q, kv, bt, lens = make_paged_problem(
         list(lengths), num_heads=heads, q_len=q_len, dtype=torch.bfloat16, seed=1
     )
     kv_scale = None
     if kv_dtype != torch.bfloat16:
         kv, kv_scale = kv.to(kv_dtype), 1.0
-    return problem_of(q, kv, bt, lens, kv_scale=kv_scale, **kw)
+    return dataclasses.replace(problem_of(q, kv, bt, lens, kv_scale=kv_scale, **kw), lse=lse)
 
 
 CPU_TENSORS = "tensors on cpu, supported: hip"
@@ -213,18 +236,29 @@ CPU_TENSORS = "tensors on cpu, supported: hip"
 
 def test_supported_shape_has_only_the_cpu_reason(rocm_machine):
     assert AiterMLAImpl.unavailable_reason() is None
-    assert (
-        AiterMLAImpl.target()
-        == f"hip gfx942 (aiter {aiter_backend._aiter_version() or 'version unknown'})"
+    version = aiter_interface_model.CURRENT.version
+    assert AiterMLAImpl.target() == (
+        f"hip gfx942 (amd-aiter {version}: decodes bf16 and fp8 caches, 16 or 128 kernel "
+        "heads (fewer padded up); not the LSE of an fp8 cache)"
     )
     for problem in (
         bf16_problem(),
         bf16_problem(heads=128, q_len=4),
         bf16_problem(heads=20, q_len=2),
         bf16_problem(heads=128, q_len=8),
-        bf16_problem(q_len=4, kv_dtype=torch.float8_e4m3fnuz),
+        bf16_problem(q_len=4, kv_dtype=torch.float8_e4m3fnuz, lse=False),
     ):
         assert AiterMLAImpl.unsupported_reasons(problem) == [CPU_TENSORS]
+    # fp8 with the LSE: AITER caps fp8 splits by the context length, down to the one-split
+    # launch that writes no LSE.
+    assert AiterMLAImpl.unsupported_reasons(
+        bf16_problem(q_len=4, kv_dtype=torch.float8_e4m3fnuz)
+    ) == [
+        CPU_TENSORS,
+        f"the call needs the LSE and amd-aiter {version} writes it only in its split reduce, "
+        "which a one-split launch skips; an fp8 launch's split count is capped by the "
+        "context length (one split for short ones), so it cannot be forced",
+    ]
 
 
 def with_dtypes(problem, q_dtype=None, kv_dtype=None):
@@ -286,7 +320,7 @@ def test_unsupported_shape_reasons(monkeypatch, rocm_machine, arch, make, reason
 
 def test_known_gfx942_bug_is_arch_specific(monkeypatch, rocm_machine):
     monkeypatch.setattr(aiter_backend, "_gpu_arch", lambda: "gfx950")
-    assert AiterMLAImpl.unsupported_reasons(bf16_problem(q_len=8)) == [CPU_TENSORS]
+    assert AiterMLAImpl.unsupported_reasons(bf16_problem(q_len=8, lse=False)) == [CPU_TENSORS]
 
 
 def test_unevenly_strided_cache_is_a_reason(rocm_machine):
@@ -335,3 +369,60 @@ def test_env_selects_aiter_here_and_fails_with_the_reason(monkeypatch):
 def test_auto_skips_aiter_for_an_unsupported_shape(rocm_machine, monkeypatch):
     monkeypatch.setenv("ROCM_MLA_BACKEND", "auto")
     assert select_backend(None, bf16_problem(q_len=3)) is not AiterMLAImpl
+
+
+# ---- windows of different lengths; per-row bounds ----------------------------------------
+
+
+def test_packed_windows_run_front_padded(interface_model):
+    """Windows of 1-4 rows in one call: each runs as the last rows of a 4-row window, where
+    AITER's causal alignment gives every row its own keys; equal to the torch backend."""
+    from tests.reference import dense_varlen_mla_decode
+
+    sizes, lengths = [4, 1, 2, 4, 1], [40, 9, 130, 3, 0]
+    q4, kv, bt, lens = make_paged_problem(lengths, num_heads=16, q_len=4, block_size=16, seed=4)
+    q = torch.cat([q4[b, :n] for b, n in enumerate(sizes)])
+    qsl = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    problem = prepare_decode(
+        q,
+        kv,
+        bt,
+        lens,
+        head_dim_v=512,
+        softmax_scale=None,
+        causal=True,
+        kv_scale=None,
+        query_start_loc=qsl,
+        max_q_len=4,
+    )
+    problem, out, lse = run_as_the_release_allows(AiterMLAImpl(16), problem)
+    ref_out, ref_lse = dense_varlen_mla_decode(q, qsl, kv, bt, lens)
+    assert out.shape == (q.shape[0], 16, 512)
+    ref_lse = ref_lse.float()
+    if problem.lse:
+        assert_same_attention(out, lse, ref_out.float(), ref_lse, 1e-5)
+    else:
+        assert lse is None
+        assert_same_attention(out, ref_lse, ref_out.float(), ref_lse, 1e-5)
+
+
+def test_per_row_bounds_are_refused_by_name(rocm_machine):
+    """A DCP verify window's rows see this rank's keys in steps of 0 or 1: mla_decode_fwd
+    has no bound per row, so the call is refused at selection and auto takes another."""
+    q, kv, bt, lens = make_paged_problem([20, 9], num_heads=16, q_len=2, dtype=torch.bfloat16)
+    rows = torch.tensor([[19, 20], [9, 9]], dtype=torch.int32)
+    problem = prepare_decode(
+        q,
+        kv,
+        bt,
+        lens,
+        head_dim_v=512,
+        softmax_scale=None,
+        causal=True,
+        kv_scale=None,
+        row_seqlens=rows,
+    )
+    reasons = AiterMLAImpl.unsupported_reasons(problem)
+    assert "a KV bound per query row (row_seqlens)" in "; ".join(reasons)
+    with pytest.raises(ValueError, match=r"'aiter' cannot run .*a KV bound per query row"):
+        rocm_mla.mla_decode(q, kv, bt, lens, row_seqlens=rows, backend="aiter")

@@ -9,11 +9,20 @@ an S_q without a kernel) must say so, and is then checked to fall back under ``a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from rocm_mla.backends import backend_class, select_backend
-from rocm_mla.backends.aiter import FP8_BY_ARCH, AiterMLAImpl, _gpu_arch, quantize_per_tensor
+from rocm_mla.backends.aiter import (
+    FP8_BY_ARCH,
+    AiterMLAImpl,
+    _aiter_mla,
+    _gpu_arch,
+    installed_release,
+    quantize_per_tensor,
+)
 from rocm_mla.inputs import prepare_decode
 from tests.reference import assert_same_attention, make_paged_problem
 from tests.test_torch_backend import GRID
@@ -62,9 +71,12 @@ def cos_diff(x, y):
 
 
 def check_close(out, lse, ref_out, ref_lse, kind):
+    """``lse`` None: a call without the LSE, whose empty rows the reference's mark."""
     # Compared in fp32: the fp8 references run on a dequantized fp32 q, so their out is fp32.
     tol = 2e-2 if kind == "bf16" else 1.5e-1
-    assert_same_attention(out.float(), lse, ref_out.float(), ref_lse, tol)
+    assert_same_attention(
+        out.float(), ref_lse if lse is None else lse, ref_out.float(), ref_lse, tol
+    )
     # AITER's own bars (op_tests/test_mla.py): cosine diff 1e-5 bf16, 3e-2 fp8 (P goes
     # through fp8 inside the a8w8 kernel).
     visible = ~torch.isinf(ref_lse)
@@ -79,13 +91,18 @@ def test_aiter_matches_torch_and_triton(lengths, heads, q_len, block, kind):
     problem = prepare_decode(
         q, kv, bt, lens, head_dim_v=512, softmax_scale=None, causal=True, kv_scale=kv_scale
     )
-    reasons = AiterMLAImpl.unsupported_reasons(problem)
+    without_lse = dataclasses.replace(problem, lse=False)
+    reasons = AiterMLAImpl.unsupported_reasons(without_lse)
     if reasons:
-        assert select_backend("auto", problem) is not AiterMLAImpl
+        assert select_backend("auto", without_lse) is not AiterMLAImpl
         pytest.skip(f"aiter declares this shape unsupported: {'; '.join(reasons)}")
-
-    out, lse = AiterMLAImpl(heads).forward(q, kv, bt, lens, kv_scale=kv_scale)
-    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    # The installed release may return no LSE for this call (then it says so, naming itself).
+    if AiterMLAImpl.unsupported_reasons(problem):
+        assert select_backend("auto", problem) is not AiterMLAImpl
+        problem = without_lse
+    out, lse = AiterMLAImpl(heads).run(problem)
+    assert out.dtype == torch.bfloat16 and (lse is None) is (not problem.lse)
+    assert lse is None or lse.dtype == torch.float32
     assert out.shape == (len(lengths), q_len, heads, 512)
 
     # References see the q AITER saw: for fp8, the per-tensor quantized q.
@@ -105,6 +122,8 @@ def test_aiter_matches_torch_and_triton(lengths, heads, q_len, block, kind):
         check_close(out, lse, tri_out, tri_lse, kind)
 
 
-def test_target_names_arch_and_version():
+def test_target_names_arch_and_release():
     target = AiterMLAImpl.target()
-    assert target is not None and target.startswith(f"hip {_gpu_arch()} (aiter ")
+    release = installed_release(_aiter_mla)
+    assert target == f"hip {_gpu_arch()} ({release.summary()})"
+    assert release.name in target

@@ -13,13 +13,13 @@ import pytest
 pytest.importorskip("triton")
 
 from benchmarks import schedule as bench
-from rocm_mla.kernels import plan
+from rocm_mla.kernels.schedule.cost import MERGE_KEYS, OVERHEAD_KEYS, merge_cost
 
 LONG_SHORT = "1x128K + 31x2K"
 #: gfx942 H128 S_q1 bf16: two 64-row groups (G 2); 2 programs per CU forced -> S = 608.
 SHAPE = ("gfx942", 128, 1, "bf16")
 PPC = 2
-OVERHEAD = round(plan.SPLIT_OVERHEAD_TOKENS)
+OVERHEAD = OVERHEAD_KEYS
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_bounds_by_hand(payload: dict) -> None:
 def test_total_bound_by_hand() -> None:
     """One unit of 100 pieces on 10 slots: a makespan of 10 pieces merges 10 partials, one
     of 20 merges 5, ...; the bound is the least makespan + merge from the stage bound up."""
-    merge = bench._merge_keys()
+    merge = MERGE_KEYS
     stage = 10 * 64 + OVERHEAD
     want = min(
         OVERHEAD + -(-100 // count) * 64 + (merge * count if count > 1 else 0)
@@ -182,8 +182,8 @@ def test_random_lengths_respect_the_bounds() -> None:
         makespans = [max(balanced["loads"]), old, max(flash)]
         costs = [
             balanced["cost"],
-            old + bench._merge(splits),
-            max(flash) + bench._merge(flash_chain),
+            old + merge_cost(splits),
+            max(flash) + merge_cost(flash_chain),
         ]
         lb_a, lb_b = bench.lower_bounds(lengths, groups, slots)
         lb_c = bench.lower_bound_c(lengths, groups, slots, lb_b, makespans[0])
@@ -208,12 +208,29 @@ def test_cli_knows_the_benchmark() -> None:
     assert cli.BENCHMARKS["schedule"] == "benchmarks.schedule"
 
 
+def test_cli_runs_a_benchmark_in_the_checkout_without_touching_the_import_path(capfd) -> None:
+    """``rocm-mla bench`` runs ``python -m benchmarks.<name>`` in the checkout (its exit code
+    is the command's); this process's sys.path stays as it was."""
+    import sys
+
+    from rocm_mla import cli
+
+    before = list(sys.path)
+    assert cli.main(["bench", "schedule", "--help"]) == 0
+    assert sys.path == before
+    assert "usage:" in capfd.readouterr().out
+
+
 def test_the_fit_gives_the_calibrated_overhead(payload: dict) -> None:
-    """The committed H200 timings fit the overhead ``plan`` charges (and the merge of the
-    kernel they timed, ``plan.MERGE_TOKENS_PER_PARTIAL``'s comment), within the timing's
-    spread: half the rows within 6 us."""
+    """The committed H200 timings fit the overhead the model charges (``OVERHEAD_KEYS``;
+    and the merge of the kernel they timed, ``schedule.cost.MERGE_KEYS``'s comment), within the
+    timing's spread: half the rows within 6 us."""
     result = payload["cost_model"]["fit"]
-    assert result["overhead_keys"] == plan.SPLIT_OVERHEAD_TOKENS
+    assert result["overhead_keys"] == OVERHEAD_KEYS
+    assert result["calibrated"] == {
+        "overhead_keys": OVERHEAD_KEYS,
+        "merge_keys_per_partial": MERGE_KEYS,
+    }
     assert result["merge_keys_per_partial"] == 8
     assert result["abs_residual_us"]["median"] <= 6.0
     assert len(result["residuals"]) == 44

@@ -292,7 +292,7 @@ MIXED = [200, 0, 1, 16, 48, 64, 65, 7]
 
 def _run_cut(q, kv, bt, lens, chunk, *, kv_scale=None, max_seqlen=None, flag=None):
     """(out, lse, keys per chunk the kernel used)."""
-    return cpu_decode._decode(
+    return cpu_decode.decode_with_chunk(
         q,
         kv,
         bt,

@@ -105,7 +105,7 @@ def _close(out, lse, ref_out, ref_lse, tol, rows=None):
 
 
 def _decode(q, kv, bt, lens, dv, *, kv_scale=None, chunk=None, flag=None):
-    out, lse, _ = cpu_decode._decode(
+    out, lse, _ = cpu_decode.decode_with_chunk(
         q,
         kv,
         bt,

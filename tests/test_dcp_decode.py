@@ -174,7 +174,9 @@ def run_case(state: ParallelState, case: Case):
             dcp_rank=rank,
             dcp_interleave=case.interleave,
         )
-        assert plan.batch == len(case.lengths) * case.q_len and not plan.spec.causal
+        # One window per request, every row with its own local bound (not a row per request).
+        assert (plan.batch, plan.spec.q_len) == (len(case.lengths), case.q_len)
+        assert plan.spec.row_bounds and plan.spec.causal
         # The same plan serves every MLA layer of the step: decode twice, as two layers.
         first = dcp_mla_decode(
             q_in, local_kv, meta, state.dcp_group, case.backend, head_dim_v=HEAD_DIM_V, plan=plan
@@ -337,3 +339,20 @@ def test_combine_weights_are_exact_empty_shards_get_zero_and_broken_ones_nan():
     assert weights[:, 2].tolist() == [0.0, 0.0, 0.0] and total[2] == -inf
     # NaN and +inf lses are broken partials: the row comes out NaN, never a silent drop.
     assert torch.isnan(weights[:, 3]).all() and torch.isnan(total[3])
+
+
+def test_a_single_rank_plan_without_the_lse_decodes_but_cannot_return_one():
+    """The runner plans a single-rank step without the LSE (issue 43); a DCP decode with such
+    a plan still works on one rank, and asking it for the LSE is refused before any work."""
+    q, kv, bt, lens = make_paged_problem([9, 30], num_heads=16, block_size=16, seed=7)
+    plan = plan_step_decode(
+        lens, 1, num_heads=16, head_dim_v=512, rope_dim=64, kv_dtype=kv.dtype,
+        q_dtype=q.dtype, device="cpu", backend="torch",
+    )  # fmt: skip
+    assert not plan.spec.lse
+    meta = DecodeMetadata(bt, lens)
+    out = dcp_mla_decode(q, kv, meta, None, backend="torch", plan=plan)
+    ref, _ = rocm_mla.mla_decode(q, kv, bt, lens, backend="torch")
+    torch.testing.assert_close(out, ref)
+    with pytest.raises(ValueError, match="plan the step with return_lse=True"):
+        dcp_mla_decode(q, kv, meta, None, backend="torch", plan=plan, return_lse=True)

@@ -32,6 +32,7 @@ VENV = Path(sys.prefix)
 FORBIDDEN = {"torch", "triton", "pytorch-triton-rocm", "aiter", "amd-aiter", "vllm"}
 SMOKE_STEPS = [
     "info",
+    "aiter_shapes",
     "pytest_gpu",
     "bench_kernel",
     "make_tiny",
@@ -204,6 +205,28 @@ def test_dockerfile_environment_entrypoint_and_healthcheck():
     # Nothing assumes root: caches live under a world-writable /cache, not $HOME.
     assert "HF_HOME=/cache/huggingface" in env
     assert "chmod 1777 /cache" in " ".join(a for op, a in instructions if op == "RUN")
+
+
+def test_dockerfile_records_the_aiter_release_it_ships():
+    runs = [a for op, a in dockerfile_instructions() if op == "RUN"]
+    recording = [r for r in runs if "/opt/aiter-release.txt" in r]
+    assert len(recording) == 1, "the runtime stage must write /opt/aiter-release.txt once"
+    # From amd-aiter's metadata (importing AITER needs a GPU), before the package goes in.
+    assert "m.version('amd-aiter')" in recording[0]
+    assert recording[0].index("aiter-release.txt") < recording[0].index("--no-deps -e .")
+
+
+def test_smoke_checks_the_aiter_shapes_the_image_is_for():
+    text = (DOCKER / "smoke.sh").read_text()
+    default = re.search(r'aiter_shapes="\$\{SMOKE_AITER_SHAPES:-([^}]*)\}"', text)
+    assert default, "smoke.sh names no default SMOKE_AITER_SHAPES"
+    shapes = default.group(1).split(",")
+    for kind in ("bf16", "fp8"):
+        for heads in ("16", "128"):
+            assert f"{kind}:{heads}:1" in shapes
+    assert any(s.endswith(":lse") for s in shapes), "DCP's LSE decodes are not checked"
+    assert 'rocm-mla info --require-aiter "$aiter_shapes"' in text
+    assert "/opt/aiter-release.txt" in text
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -526,6 +549,9 @@ def test_smoke_real_steps_use_both_backends_and_the_entrypoint(tmp_path):
     assert ran_steps(result.stdout) == SMOKE_STEPS
     assert "smoke: the backends agree on the first 4 of 4 tokens" in result.stdout
 
+    required = [c["args"] for c in calls(log) if "--require-aiter" in c["args"]]
+    assert len(required) == 1 and required[0][:2] == ["info", "--require-aiter"]
+    assert "bf16:128:1:lse" in required[0][2].split(",")
     made = [c for c in calls(log) if c["args"][:1] in (["-m"], ["make-tiny"], ["serve"])]
     pytest_call, bench, tiny, *serves = (c["args"] for c in made)
     assert pytest_call[:3] == ["-m", "pytest", str(ROOT / "tests")]

@@ -52,7 +52,7 @@ def plan_for(q, kv, lengths, backend, **kwargs):
 @pytest.fixture
 def aiter_model(monkeypatch):
     """The aiter backend routed to the interface model on a pretend MI300X (as test_plan)."""
-    monkeypatch.setattr(aiter_backend, "_aiter_mla", lambda: aiter_interface_model)
+    aiter_interface_model.use_in_backend(monkeypatch)
     monkeypatch.setattr(aiter_backend, "_torch_build", lambda: "rocm")
     monkeypatch.setattr(aiter_backend, "_gpu_arch", lambda: "gfx942")
     monkeypatch.setattr(aiter_backend.AiterMLAImpl, "capabilities", _cpu_aiter_capabilities())

@@ -346,7 +346,8 @@ def test_gpu_marked_tests_name_what_they_need(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(stub))
     assert kernel_roofline.importlib.util.find_spec("vllm") is not None
     assert conftest._skip_reason("vllm") == (
-        "needs vLLM installed (run `make test-vllm`, which uses its own venv)"
+        "needs vllm installed (vllm is importable, but from no installed distribution; run "
+        "`make test-vllm`, which uses its own venv)"
     )
 
 

@@ -47,17 +47,24 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 # Upward imports that exist today, each to be removed by the code that owns it (none now).
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 
-# The Triton decode's modules inside the kernels floor, in import order: each imports only
-# from modules before it (docs/architecture.md, "Layers"). A module not on disk (schedule,
-# until it lands) is skipped.
-KERNEL_ORDER = [
-    "rocm_mla.kernels.mla_decode_kernel",
-    "rocm_mla.kernels.mla_decode_args",
-    "rocm_mla.kernels.occupancy",
-    "rocm_mla.kernels.plan",
-    "rocm_mla.kernels.schedule",
-    "rocm_mla.kernels.mla_decode",
+# The Triton decode's modules inside the kernels floor, in import order, as ranks: a module
+# imports only from modules of earlier ranks, never from its own (docs/architecture.md,
+# "Layers"). The schedule package's modules run cost <- tables <- host, device (neither
+# imports the other) <- views <- the package, which re-exports them; plan comes after it
+# (choose_num_kv_splits charges the schedule's cost model).
+KERNEL_ORDER: list[tuple[str, ...]] = [
+    ("rocm_mla.kernels.mla_decode_kernel",),
+    ("rocm_mla.kernels.mla_decode_args",),
+    ("rocm_mla.kernels.occupancy",),
+    ("rocm_mla.kernels.schedule.cost",),
+    ("rocm_mla.kernels.schedule.tables",),
+    ("rocm_mla.kernels.schedule.host", "rocm_mla.kernels.schedule.device"),
+    ("rocm_mla.kernels.schedule.views",),
+    ("rocm_mla.kernels.schedule",),
+    ("rocm_mla.kernels.plan",),
+    ("rocm_mla.kernels.mla_decode",),
 ]
+KERNEL_RANK = {module: rank for rank, tier in enumerate(KERNEL_ORDER) for module in tier}
 # The kernels the Triton decode builds on: they import none of KERNEL_ORDER.
 KERNEL_BASE = [
     "rocm_mla.kernels.merge_states",
@@ -162,16 +169,17 @@ def upward_imports(
 
 
 def later_kernel_imports(
-    module: str, source: str, modules: Collection[str] | None = None
+    module: str, source: str, modules: Collection[str] | None = None, is_package: bool = False
 ) -> list[tuple[int, str]]:
-    """(line, module) for each import in `source` (of `module`) of `module` itself or of a
-    module later in KERNEL_ORDER; for a module outside KERNEL_ORDER, of any module in it."""
-    modules = set(package_modules() if modules is None else modules) | set(KERNEL_ORDER)
-    own = KERNEL_ORDER.index(module) if module in KERNEL_ORDER else 0
+    """(line, module) for each import in `source` (of `module`) of a module of its own rank
+    in KERNEL_ORDER (itself included) or a later one; for a module outside KERNEL_ORDER, of
+    any module in it."""
+    modules = set(package_modules() if modules is None else modules) | set(KERNEL_RANK)
+    own = KERNEL_RANK.get(module, 0)
     later = []
-    for line, name in imported_modules(module, source, False):
+    for line, name in imported_modules(module, source, is_package):
         target = imported_target(name, modules)
-        if target in KERNEL_ORDER and KERNEL_ORDER.index(target) >= own:
+        if target in KERNEL_RANK and KERNEL_RANK[target] >= own:
             later.append((line, target))
     return later
 
@@ -251,36 +259,40 @@ def test_a_module_on_no_floor_is_refused():
         upward_imports("elsewhere.module", "import os\n")
 
 
-def kernel_order_problems(modules: dict[str, tuple[Path, bool]]) -> tuple[int, list[str]]:
-    """(modules checked, problems) of KERNEL_ORDER and KERNEL_BASE among `modules` (those not
-    in it, not on disk yet, are skipped)."""
-    named = set(KERNEL_ORDER + KERNEL_BASE)
-    assert named <= set(modules) | {"rocm_mla.kernels.schedule"}, (
-        f"modules named here that are not on disk: {named - set(modules)}"
-    )
-    checked, problems = 0, []
-    for module in KERNEL_ORDER + KERNEL_BASE:
-        if module not in modules:
-            continue  # not written yet
-        checked += 1
-        path, _ = modules[module]
-        for line, later in later_kernel_imports(module, path.read_text(), modules):
+def kernel_order_problems(modules: dict[str, tuple[Path, bool]]) -> list[str]:
+    """The imports against KERNEL_ORDER of its modules and KERNEL_BASE's among `modules`;
+    a module named there that is not among them fails (a moved module gets placed again)."""
+    named = [*KERNEL_RANK, *KERNEL_BASE]
+    missing = [m for m in named if m not in modules]
+    assert not missing, f"modules named in KERNEL_ORDER / KERNEL_BASE not on disk: {missing}"
+    problems = []
+    for module in named:
+        path, is_package = modules[module]
+        for line, later in later_kernel_imports(module, path.read_text(), modules, is_package):
             problems.append(f"{module}:{line} imports {later}, against KERNEL_ORDER")
-    return checked, problems
+    return problems
 
 
 def test_kernel_modules_import_only_earlier_ones():
-    modules = package_modules()
-    checked, problems = kernel_order_problems(modules)
-    assert checked == len(KERNEL_BASE) + len([m for m in KERNEL_ORDER if m in modules])
+    problems = kernel_order_problems(package_modules())
     assert not problems, "kernel modules importing out of order:\n" + "\n".join(problems)
 
 
-def test_a_kernel_module_missing_on_disk_is_skipped():
+def test_a_kernel_module_missing_on_disk_is_reported():
     modules = dict(package_modules())
-    modules.pop("rocm_mla.kernels.schedule", None)
-    checked, problems = kernel_order_problems(modules)
-    assert checked == len(KERNEL_BASE) + len(KERNEL_ORDER) - 1 and not problems
+    modules.pop("rocm_mla.kernels.schedule.host")
+    with pytest.raises(AssertionError, match=r"not on disk: \['rocm_mla.kernels.schedule.host'\]"):
+        kernel_order_problems(modules)
+
+
+def test_every_schedule_module_has_a_rank():
+    """A new module of the schedule package gets its place in KERNEL_ORDER on purpose."""
+    unranked = [
+        m
+        for m in package_modules()
+        if m.split(".")[:3] == ["rocm_mla", "kernels", "schedule"] and m not in KERNEL_RANK
+    ]
+    assert not unranked, f"schedule modules not in KERNEL_ORDER: {unranked}"
 
 
 def test_only_occupancy_imports_tritons_compiler_internals():
@@ -316,14 +328,24 @@ def test_only_occupancy_imports_tritons_compiler_internals():
         ),
         ("rocm_mla.kernels.occupancy", "from . import plan\n", "rocm_mla.kernels.plan"),
         (
+            "rocm_mla.kernels.schedule.host",
+            "from rocm_mla.kernels import plan\n",
             "rocm_mla.kernels.plan",
-            "import rocm_mla.kernels.schedule\n",
-            "rocm_mla.kernels.schedule",
         ),
         (
             "rocm_mla.kernels.plan",
             "from rocm_mla.kernels.mla_decode import mla_decode\n",
             "rocm_mla.kernels.mla_decode",
+        ),
+        (
+            "rocm_mla.kernels.schedule.host",
+            "from rocm_mla.kernels.schedule.device import empty_tables\n",
+            "rocm_mla.kernels.schedule.device",
+        ),
+        (
+            "rocm_mla.kernels.schedule.cost",
+            "from rocm_mla.kernels.schedule import PIECE_KEYS\n",
+            "rocm_mla.kernels.schedule",
         ),
         (
             "rocm_mla.kernels.mla_decode",
@@ -375,3 +397,41 @@ def test_the_internals_check_allows_the_language_and_the_target_probe():
     probe = "def f():\n    from triton.runtime import driver\n"
     assert triton_internal_imports("rocm_mla.kernels.target", probe, False) == []
     assert len(triton_internal_imports("rocm_mla.kernels.plan", probe, False)) == 1
+
+
+#: Each framework's integration: what it shares with the others is in INTEGRATIONS_COMMON,
+#: and it imports no other framework's modules (issue 41, item 4).
+FRAMEWORK_INTEGRATIONS = ("rocm_mla.integrations.vllm", "rocm_mla.integrations.sglang")
+INTEGRATIONS_COMMON = "rocm_mla.integrations.common"
+
+
+def cross_framework_imports(module: str, source: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, name) for each import in ``module`` of another framework's integration."""
+    own = next((f for f in FRAMEWORK_INTEGRATIONS if module.startswith(f)), None)
+    return [
+        (line, name)
+        for line, name in imported_modules(module, source, is_package)
+        if any(name.startswith(f + ".") or name == f for f in FRAMEWORK_INTEGRATIONS if f != own)
+        and own is not None
+    ]
+
+
+def test_each_framework_integration_imports_only_the_common_layer():
+    problems = []
+    for module, (path, is_package) in package_modules().items():
+        problems += [
+            f"{module}:{line} imports {name}"
+            for line, name in cross_framework_imports(module, path.read_text(), is_package)
+        ]
+    assert not problems, (
+        f"a framework's integration imports another's (share it through {INTEGRATIONS_COMMON}):"
+        f" {problems}"
+    )
+
+
+def test_the_cross_framework_check_finds_a_synthetic_import():
+    source = "from rocm_mla.integrations.vllm.plugin import BACKEND_ENV\n"
+    found = cross_framework_imports("rocm_mla.integrations.sglang.plugin", source, False)
+    assert found == [(1, "rocm_mla.integrations.vllm.plugin.BACKEND_ENV")]
+    common = "from rocm_mla.integrations.common import BACKEND_ENV\n"
+    assert cross_framework_imports("rocm_mla.integrations.sglang.plugin", common, False) == []

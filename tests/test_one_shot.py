@@ -82,7 +82,7 @@ def aiter_model(monkeypatch):
     from rocm_mla.backends import aiter as aiter_backend
     from tests import aiter_interface_model
 
-    monkeypatch.setattr(aiter_backend, "_aiter_mla", lambda: aiter_interface_model)
+    aiter_interface_model.use_in_backend(monkeypatch)
     monkeypatch.setattr(aiter_backend, "_torch_build", lambda: "rocm")
     monkeypatch.setattr(aiter_backend, "_gpu_arch", lambda: "gfx942")
     monkeypatch.setattr(aiter_backend.AiterMLAImpl, "capabilities", _cpu_aiter_capabilities())

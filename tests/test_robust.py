@@ -539,3 +539,37 @@ def test_killed_worker_is_named_with_its_signal(tiny):
         assert _still_running(pids) == []
     finally:
         llm.close()
+
+
+def test_a_dcp_rank_killed_mid_step_ends_the_run_naming_it(tiny):
+    """tp=2 with dcp=2: the ranks meet in every MLA layer (q gather, LSE combine). One killed
+    while a generate is in flight leaves its peer waiting in a collective; the call still
+    ends in bounded time with a WorkerError naming the killed rank, and no worker lingers."""
+    llm = LLM(tiny, tp=2, dcp=2, block_size=4, device="cpu", call_timeout_s=20)
+    pids = llm.worker_pids
+    raised: list[BaseException] = []
+
+    def long_call():
+        try:
+            while True:  # until the kill ends it, however fast the machine
+                llm.generate([[1, 2, 3], [4, 5]], 40)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=long_call)
+    try:
+        thread.start()
+        time.sleep(3.0)
+        start = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        thread.join(timeout=60)
+        assert not thread.is_alive() and time.monotonic() - start < 60
+        assert raised and isinstance(raised[0], WorkerError), raised
+        assert raised[0].rank == 1
+        assert re.search(r"rank 1 of 2 \(pid \d+\) was killed by SIGKILL", str(raised[0]))
+        assert _still_running(pids) == []
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        llm.close()

@@ -1,4 +1,4 @@
-"""The balanced schedule (rocm_mla/kernels/schedule.py): its invariants, the launch order that makes
+"""The balanced schedule (rocm_mla/kernels/schedule/): its invariants, the launch order that makes
 list scheduling run the packing, and the device planner (run under the Triton interpreter)
 writing exactly the host planner's tables."""
 
@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from rocm_mla.kernels import schedule as sch
 from rocm_mla.kernels.plan import choose_num_kv_splits
+from rocm_mla.kernels.schedule import cost, device
 from rocm_mla.kernels.target import triton_target
 
 BIG = 1 << 30
@@ -40,7 +41,7 @@ def _segments(tables: sch.ScheduleTables) -> list[tuple[int, int, int, int, int]
 
 def _check_launch_order(tables: sch.ScheduleTables, load: list[int]) -> None:
     """Every segment at one position, of its slot's pool, a pool's segments in planned start
-    order; list scheduling in that order ends no later than the plan (schedule.py)."""
+    order; list scheduling in that order ends no later than the plan (``schedule``)."""
     pools, slots = tables.num_pools, tables.num_slots
     bounds = tables.slot_segments.tolist()
     rows = tables.segments.tolist()
@@ -76,7 +77,7 @@ def _check_launch_order(tables: sch.ScheduleTables, load: list[int]) -> None:
 
 
 def _check_invariants(lengths, groups, slots, capacity, pools=1, whole_units=True):
-    tables = sch.host_schedule(
+    packing, tables = sch.host_plan(
         lengths,
         num_groups=groups,
         num_slots=slots,
@@ -84,13 +85,12 @@ def _check_invariants(lengths, groups, slots, capacity, pools=1, whole_units=Tru
         num_pools=pools,
         whole_units=whole_units,
     )
-    pieces = [sch._pieces(n, capacity) for n in lengths]
+    pieces = [sch.pieces_of(n, capacity) for n in lengths]
     segs = _segments(tables)
-    packing = sch.choose_packing(pieces, groups, slots, whole_units=whole_units, num_pools=pools)
-    budget = packing.budget
-    assert budget == sch.search_budget(
+    assert packing == sch.choose_packing(
         pieces, groups, slots, whole_units=whole_units, num_pools=pools
     )
+    budget = packing.budget
     # The model's bound the planner chose by holds for the tables it built.
     assert sch.model_cost(tables) <= packing.cost
     # Every slot within the budget; the budget at or above the tile-granular lower bound.
@@ -153,7 +153,7 @@ def _host_and_device(lengths, groups, slots, capacity, pools=1) -> sch.ScheduleT
     _assert_same(line, _device(lengths, groups, slots, capacity, pools))
     assert sch.model_cost(host) <= sch.model_cost(line)
     if sch.choose_packing(
-        [sch._pieces(n, capacity) for n in lengths],
+        [sch.pieces_of(n, capacity) for n in lengths],
         groups,
         slots,
         whole_units=True,
@@ -360,15 +360,19 @@ def _planner_steps(batch: int, groups: int, monkeypatch) -> tuple[int, int]:
             return self.kernel[grid]
 
     for name in ("_plan_schedule_kernel", "_launch_order_kernel"):
-        monkeypatch.setattr(sch, name, Counted(getattr(sch, name)))
+        monkeypatch.setattr(device, name, Counted(getattr(device, name)))
     tables = sch.empty_tables(batch, groups, 132, "cpu")
     lengths = torch.tensor([1000 + 37 * b for b in range(batch)], dtype=torch.int32)
     lines = 0
 
     def trace(frame, event, arg):
-        # The planning kernel and its helpers: every function of the module but the rank
-        # kernel (parallel over segments) and the host launcher.
-        if frame.f_code.co_filename != sch.__file__ or frame.f_code.co_name in (
+        # The planning kernel and its helpers (the cost model's twins among them): every
+        # function of the two modules but the rank kernel (parallel over segments) and the
+        # host launcher.
+        if frame.f_code.co_filename not in (
+            device.__file__,
+            cost.__file__,
+        ) or frame.f_code.co_name in (
             "_launch_order_kernel",
             "device_schedule",
             "__getitem__",
@@ -404,3 +408,23 @@ def test_device_planner_work_per_request_is_constant(monkeypatch):
     assert large[1] <= 1.5 * small[1], (small, large)
     # Past a block, a vector step more a phase per block.
     assert _planner_steps(2 * sch.PLAN_BLOCK, 1, monkeypatch)[1] <= 3 * small[1]
+
+
+def test_plan_schedule_shows_the_host_plan():
+    """``rocm_mla.plan_schedule``: the host planner's entries, and the budget of the packing
+    they were built from (planned once), which no slot's load exceeds."""
+    from rocm_mla import plan_schedule
+    from rocm_mla.kernels.target import TritonTarget
+
+    lengths = [8192] + [256] * 7
+    target = TritonTarget("interpreter", None, 16)  # one program per CU: 16 slots
+    schedule = plan_schedule(lengths, q_len=1, num_heads=16, kv_dtype=torch.bfloat16, target=target)
+    assert schedule.num_slots == 16 and schedule.num_groups == 1
+    packing, tables = sch.host_plan(
+        lengths, num_groups=1, num_slots=16, capacity_keys=sch.MAX_KEYS, num_pools=1
+    )
+    assert schedule.entries == sch.schedule_entries(tables)
+    pieces = [sch.pieces_of(n, sch.MAX_KEYS) for n in lengths]
+    assert schedule.budget_keys == packing.budget == sch.choose_packing(pieces, 1, 16).budget
+    assert max(schedule.slot_loads) <= schedule.budget_keys
+    assert sum(e.request == 0 for e in schedule.entries) > 1  # the long request is cut

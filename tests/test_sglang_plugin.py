@@ -140,23 +140,89 @@ def test_unknown_backend_name_is_refused_at_build(registered, monkeypatch):
 
 
 def test_decode_context_parallelism_is_refused(registered, monkeypatch):
+    """DCP over the kit's runner, whose allocator pages are not SGLang's DCP ones (widened by
+    the DCP size), is refused at start-up (tests/test_sglang_dcp.py serves SGLang's layout)."""
     from sglang.srt.runtime_context import get_parallel
 
     monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
     case = mla_case("rocm_mla", "DECODE", heads=16, page=16, prefix=(7,))
     dcp = get_parallel().override(attn_dcp_size=2, attn_dcp_rank=0)
-    with dcp, pytest.raises(RuntimeError, match=r"decode context parallelism \(dcp 2\)"):
+    refused = r"decode context parallelism \(dcp 2\) in a layout rocm_mla cannot read: the alloc"
+    with dcp, pytest.raises(RuntimeError, match=refused):
         run_fixture(case)
 
 
 def test_one_line_says_what_decodes(registered, monkeypatch, caplog):
-    from rocm_mla.integrations.sglang import backend
+    from rocm_mla.integrations import common
 
     monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
-    monkeypatch.setattr(backend, "_ANNOUNCED", set())
+    monkeypatch.setattr(common, "ANNOUNCED", set())
     case = mla_case("rocm_mla", "DECODE", heads=16, page=16, prefix=(7, 20))
     with caplog.at_level(logging.INFO, logger="sglang.srt.plugins.rocm_mla"):
         run_fixture(case)
         run_fixture(case)
     lines = [r.getMessage() for r in caplog.records if "decode with" in r.getMessage()]
     assert lines == ["rocm-mla: decode with torch (cpu) for 16 heads, q_len 1, kv float32"]
+
+
+# --- releases (issue 43): registration under an untested SGLang ------------------------------
+
+
+def _untested(monkeypatch, plugin):
+    from rocm_mla.integrations.common import SGLANG, ReleasesTested
+
+    untested = ReleasesTested("SGLang", SGLANG.package, (9, 0, 0), (9, 0))
+    monkeypatch.setattr(plugin, "SGLANG", untested)
+
+
+def _log_of(plugin, run):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    level = plugin.logger.level
+    plugin.logger.addHandler(handler)
+    plugin.logger.setLevel(logging.INFO)
+    try:
+        result = run()
+    finally:
+        plugin.logger.removeHandler(handler)
+        plugin.logger.setLevel(level)
+    return result, [r.getMessage() for r in records]
+
+
+def test_a_tested_release_registers_without_checking(sglang_state):
+    from rocm_mla.integrations.common import SGLANG
+    from rocm_mla.integrations.sglang import plugin
+
+    distribution, version = SGLANG.installed()
+    assert SGLANG.covers(version), f"make test-sglang's {distribution} {version} is not {SGLANG}"
+    names, lines = _log_of(plugin, plugin.register)
+    assert names == ["rocm_mla"] and len(lines) == 1
+    assert "not a release rocm-mla is tested with" not in lines[0]
+
+
+def test_an_untested_release_is_checked_and_registers(sglang_state, monkeypatch):
+    from rocm_mla.integrations.sglang import plugin
+
+    _untested(monkeypatch, plugin)
+    names, (check, _) = _log_of(plugin, plugin.register)
+    assert names == ["rocm_mla"] and "rocm_mla" in sglang_state.backends
+    assert "is not a release rocm-mla is tested with (SGLang 9.0.0 to 9.0.x)" in check
+    assert check.endswith("it overrides: all there, registering")
+
+
+def test_an_untested_release_lacking_a_need_leaves_sglang_in_charge(sglang_state, monkeypatch):
+    from rocm_mla.integrations.sglang import plugin
+
+    _untested(monkeypatch, plugin)
+    backend_module = "rocm_mla.integrations.sglang.backend"
+    needs = {**plugin.NEEDS, backend_module: (*plugin.NEEDS[backend_module], "gone")}
+    monkeypatch.setattr(plugin, "NEEDS", needs)
+    monkeypatch.setenv("ROCM_MLA_BACKEND", "auto")
+    triton = sglang_state.backends["triton"]
+    names, (line,) = _log_of(plugin, plugin.register)
+    assert names == []
+    assert f"{backend_module} has no gone" in line
+    assert line.endswith("registering nothing, SGLang's own attention backends stay in charge")
+    assert "rocm_mla" not in sglang_state.backends
+    assert sglang_state.backends["triton"] is triton

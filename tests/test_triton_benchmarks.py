@@ -130,11 +130,11 @@ def test_autotune_checks_each_config_through_cut_units_and_the_merge():
     interpreter's tuned config and fails when the output is off."""
     from rocm_mla.backends.torch_ref import torch_mla_decode
     from rocm_mla.kernels import mla_decode as kernel
-    from rocm_mla.kernels.mla_decode_args import _group_config
+    from rocm_mla.kernels.mla_decode_args import group_config
     from rocm_mla.kernels.target import triton_target
 
     check = _small_problem([150, 70, 5], heads=16, q_len=1, seed=1)
-    config = _group_config(kernel.default_config(triton_target(), num_heads=16), 16)
+    config = group_config(kernel.default_config(triton_target(), num_heads=16), 16)
     schedule = autotune_triton.planned_schedule(check, config)
     assert schedule.num_partials > 0
     assert set(schedule.split_units.tolist()) - {-1} == {0, 1}  # 3 and 2 pieces, cut

@@ -225,7 +225,7 @@ def test_planned_slots_follow_the_target():
     the compiled stage 1, whatever the lengths (they are not an argument any more)."""
     target = triton_target()
     config, slots = kernel.plan_launch(q_len=1, num_heads=16, kv_dtype=torch.bfloat16)
-    assert config == mla_decode_args._group_config(kernel.default_config(target, num_heads=16), 16)
+    assert config == mla_decode_args.group_config(kernel.default_config(target, num_heads=16), 16)
     assert slots == target.num_cus * kernel.programs_per_cu(
         config, target, kv_dtype=torch.bfloat16, num_heads=16, q_len=1
     )
@@ -300,7 +300,8 @@ import torch
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rocm_mla.kernels import merge_states as ms, quantize_q as qq, schedule as sch
+from rocm_mla.kernels import merge_states as ms, quantize_q as qq
+from rocm_mla.kernels.schedule import device as planner_kernels
 from rocm_mla.kernels import mla_decode_args as mda, mla_decode_kernel as mdk
 from rocm_mla.kernels.target import TritonTarget
 from rocm_mla.kernels import tuned_configs as tc
@@ -338,7 +339,7 @@ for heads in tc.HEAD_BUCKETS:
         for kind, kv_dtype in kv_dtypes.items():
             entry = mda.table_entry(here, num_heads=heads, q_len=q_len, kv_dtype=kv_dtype)
             used.append(entry)
-            config = mda._group_config(entry.config, heads * q_len)
+            config = mda.group_config(entry.config, heads * q_len)
             q_dtype = torch.float32 if kv_dtype == torch.float32 else torch.bfloat16
             kernels.setdefault((config, kv_dtype, q_dtype), []).append((heads, q_len, kind))
 tl_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
@@ -351,6 +352,7 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
                   BLOCK_W=min(config.block_n, 32 if kv_dtype == fp8 else 16),
                   BLOCK_DV=512 // config.dv_chunks, DV_CHUNKS=config.dv_chunks, BLOCK_DR=64,
                   NUM_XCDS=config.num_xcds, HAS_FAULT_FLAG=True, PREFETCH_IDS=config.prefetch_ids,
+                  VARLEN=False, ROW_BOUNDS=False,
                   NO_OP_GUARD=mda.no_op_guard(here, causal=True, q_len=1),
                   **{k: v for k, v in dot_types.items() if k != "FP8_MAX"})
     # With fp8 Q K^T stage 1 reads q quantized per row (quantize_q).
@@ -358,6 +360,7 @@ for (config, kv_dtype, q_dtype), shapes in kernels.items():
     pointers = {"q_ptr": "*" + tl_name[q_type], "q_scale_ptr": "*fp32",
                 "kv_ptr": "*" + tl_name[kv_dtype],
                 "block_table_ptr": "*i32", "seqlens_ptr": "*i32", "launch_order_ptr": "*i32",
+                "query_start_ptr": "*i32", "row_seqlens_ptr": "*i32",
                 "segments_ptr": "*i32", "out_ptr": "*" + tl_name[q_dtype], "lse_ptr": "*fp32",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "fault_ptr": "*i32"}
     missing = [n for n in mdk._mla_decode_stage1.arg_names
@@ -379,22 +382,26 @@ merge = build(ms._merge_states_kernel, pointers, consts, target, ms.merge_launch
 print(json.dumps({"kernel": "merge", **merge}))
 # Stage 2 of the balanced schedule, for every row-group size stage 1 compiled above.
 for block_h in sorted({config.block_h for config, _, _ in kernels}):
-    consts = dict(GROUP_ROWS=block_h, HEAD_DIM_V=512, **ms._merge_blocks(here, 128, block_h, 512))
+    consts = dict(GROUP_ROWS=block_h, HEAD_DIM_V=512, VARLEN=False,
+                  **ms._merge_blocks(here, 128, block_h, 512))
     pointers = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "unit_parts_ptr": "*i32",
-                "split_units_ptr": "*i32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32"}
+                "split_units_ptr": "*i32", "query_start_ptr": "*i32", "out_ptr": "*bf16",
+                "out_lse_ptr": "*fp32"}
     pieces = build(ms._merge_pieces_kernel, pointers, consts, target,
                    ms.merge_launch_options(here))
     print(json.dumps({"kernel": "merge_pieces", "group_rows": block_h, **pieces}))
 wide = ("keys_ptr", "line_ptr", "first_ptr", "head_ptr")
 pointers = {n: "*i64" if n in wide else "*i32"
-            for n in sch._plan_schedule_kernel.arg_names if n.endswith("_ptr")}
-planner = build(sch._plan_schedule_kernel, pointers, sch.PLANNER_CONSTEXPRS, target,
-                {"num_warps": sch.PLAN_WARPS})
+            for n in planner_kernels._plan_schedule_kernel.arg_names if n.endswith("_ptr")}
+planner = build(planner_kernels._plan_schedule_kernel, pointers,
+                planner_kernels.PLANNER_CONSTEXPRS, target,
+                {"num_warps": planner_kernels.PLAN_WARPS})
 print(json.dumps({"kernel": "plan_schedule", **planner}))
 pointers = {n: "*i64" if n == "starts_ptr" else "*i32"
-            for n in sch._launch_order_kernel.arg_names if n.endswith("_ptr")}
-order = build(sch._launch_order_kernel, pointers,
-              dict(POOL_SHIFT=sch.POOL_SHIFT, BLOCK=sch.ORDER_BLOCK), target, {"num_warps": 4})
+            for n in planner_kernels._launch_order_kernel.arg_names if n.endswith("_ptr")}
+order = build(planner_kernels._launch_order_kernel, pointers,
+              dict(POOL_SHIFT=planner_kernels.POOL_SHIFT, BLOCK=planner_kernels.ORDER_BLOCK),
+              target, {"num_warps": 4})
 print(json.dumps({"kernel": "launch_order", **order}))
 consts = dict(HEAD_DIM=576, BLOCK_R=qq._BLOCK_R, BLOCK_D=1024, FP8_DTYPE=tl_type[fp8],
               OUT_DTYPE=tl_type[fp8], FP8_EMULATE_MIN_EXP=None, FP8_MAX=mda._FP8_MAX[fp8])

@@ -25,7 +25,7 @@ def stage1_q(q: torch.Tensor, fp8: torch.dtype):
     target = triton_target()
     dot_types = mla_decode_args._dot_types(q.dtype, fp8, target, CONFIG)
     assert dot_types["QK_FP8"]
-    return mla_decode_args._stage1_q(q, fp8, dot_types, target)
+    return mla_decode_args.stage1_q(q, fp8, dot_types, target)
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])

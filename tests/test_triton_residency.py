@@ -116,11 +116,11 @@ def test_compiled_residency_of_the_tuned_configs():
     shared memory (one per SM); the gfx942 16-row config, with the next tile prefetched into
     registers, takes 199 VGPRs and no AGPRs of a lane's 512 (two per CU, as without the
     prefetch); its 64-row config for H128 takes 256 VGPRs + 34 AGPRs (one per CU)."""
-    big = mla_decode_args._group_config(kernel.default_config(SM90, num_heads=128), 128)
+    big = mla_decode_args.group_config(kernel.default_config(SM90, num_heads=128), 128)
     assert kernel.programs_per_cu(big, SM90, kv_dtype=torch.bfloat16, num_heads=128) == 1
-    small = mla_decode_args._group_config(kernel.default_config(GFX942, num_heads=16), 16)
+    small = mla_decode_args.group_config(kernel.default_config(GFX942, num_heads=16), 16)
     assert kernel.programs_per_cu(small, GFX942, kv_dtype=torch.bfloat16, num_heads=16) == 2
-    rows = mla_decode_args._group_config(kernel.default_config(GFX942, num_heads=128), 128)
+    rows = mla_decode_args.group_config(kernel.default_config(GFX942, num_heads=128), 128)
     assert rows.block_h == 64
     assert kernel.programs_per_cu(rows, GFX942, kv_dtype=torch.bfloat16, num_heads=128) == 1
     unpipelined = replace(small, num_stages=1, prefetch_ids=False)

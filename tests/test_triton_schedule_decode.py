@@ -1,4 +1,4 @@
-"""The Triton decode on the balanced schedule (``rocm_mla/kernels/schedule.py``) against torch.
+"""The Triton decode on the balanced schedule (``rocm_mla/kernels/schedule/``) against torch.
 
 Each length mix of the schedule issue, shrunk to interpreter size (page 16, pieces of 64
 keys, D = 64 + 16), decoded twice: on the host planner's tables and on the device planner's
@@ -84,7 +84,7 @@ def test_pooled_launch_order_with_empty_programs_matches_torch(mix, q_len, guard
     """AMD's order (4 pools, as XCDs): programs with nothing to do sit between real ones,
     on host and device tables alike, and every row still comes out right, with either form
     form of stage 1's guard for them (``mla_decode_args.no_op_guard``)."""
-    monkeypatch.setattr(mda, "no_op_guard", lambda target, *, causal, q_len: guard)
+    monkeypatch.setattr(mda, "no_op_guard", lambda target, **shape: guard)
     lengths = MIXES[mix]
     q, kv, bt, lens = problem(lengths, heads=4, q_len=q_len, dtype=torch.float32, seed=3)
     ref_out, ref_lse = reference(q, kv, bt, lens)

@@ -139,7 +139,7 @@ def test_sm90_configs_per_group_size_and_amd_is_marked_unmeasured(release, keys_
         block_h = window_rows if q_len > 1 and heads * q_len >= 48 else 64
         assert (entry.config.block_h, entry.config.num_warps) == (block_h, 8)
         assert entry.source.startswith("unmeasured")
-        group = mla_decode_args._group_config(entry.config, heads * q_len)
+        group = mla_decode_args.group_config(entry.config, heads * q_len)
         assert (group.block_h, group.num_stages, group.prefetch_ids) == (rows, stages, prefetch)
         assert group.num_warps == 8 and group.block_n == (keys_64 if rows == 64 else 64)
     # fp8 (every release): 64-row groups on wgmma (rows as M) in 32-key tiles; a group
@@ -158,7 +158,7 @@ def test_sm90_configs_per_group_size_and_amd_is_marked_unmeasured(release, keys_
         fp8 = torch.float8_e4m3fn
         entry = tables.lookup("sm90", heads, q_len, fp8, release)
         assert entry.source.startswith("unmeasured") and entry.config.fp8_qk
-        group = mla_decode_args._group_config(entry.config, heads * q_len)
+        group = mla_decode_args.group_config(entry.config, heads * q_len)
         assert (group.block_h, group.keys_as_m, group.num_stages) == (rows, keys_as_m, stages)
         assert group.block_n == (32 if rows == 64 else 64) and group.num_warps == 8
         assert group.prefetch_ids == keys_as_m
@@ -320,7 +320,7 @@ def test_planned_call_makes_no_device_to_host_transfer(monkeypatch, given):
 
 def _table_shape_classes():
     """Distinct (rows, keys, Dv halves, fp8 dots, ids ahead, keys as M) among all tables'
-    entries and their shrunk groups (``_group_config``: half the rows at least, with the
+    entries and their shrunk groups (``group_config``: half the rows at least, with the
     ``shrunk_*`` options), once."""
     classes = {}
     for target_key, table in tables.TABLES.items():
@@ -328,7 +328,7 @@ def _table_shape_classes():
             c = entry.config
             groups = [c]
             if c.block_h > 16:
-                groups.append(mla_decode_args._group_config(c, c.block_h // 2))
+                groups.append(mla_decode_args.group_config(c, c.block_h // 2))
             for g in groups:
                 shape = (
                     g.block_h, g.block_n, g.dv_chunks, g.fp8_qk, g.fp8_pv, g.prefetch_ids,
@@ -607,7 +607,7 @@ def test_row_owned_groups_pad_the_fewest_rows():
     fitted = {
         rows: (c.block_h, c.num_warps)
         for rows in (16, 24, 48, 64, 96, 128, 192)
-        for c in [mla_decode_args._group_config(config, rows)]
+        for c in [mla_decode_args.group_config(config, rows)]
     }
     assert fitted == {
         16: (32, 2),
@@ -627,11 +627,11 @@ def test_fewest_padded_rows_from_64_rows_and_the_floor():
     (down to a quarter) that pads the fewest rows; never under min_block_h."""
     config = tables.LaunchConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
     fitted = {
-        rows: mla_decode_args._group_config(config, rows).block_h for rows in (12, 48, 64, 80, 96)
+        rows: mla_decode_args.group_config(config, rows).block_h for rows in (12, 48, 64, 80, 96)
     }
     assert fitted == {12: 16, 48: 64, 64: 64, 80: 16, 96: 32}
     floor = replace(config, min_block_h=64)
-    assert {mla_decode_args._group_config(floor, rows).block_h for rows in (12, 48, 96)} == {64}
+    assert {mla_decode_args.group_config(floor, rows).block_h for rows in (12, 48, 96)} == {64}
     with pytest.raises(
         ValueError, match="min_block_h must be a power of two in \\[16, block_h\\], got 128"
     ):
@@ -654,7 +654,7 @@ def test_amd_compute_bound_configs_on_the_interpreter(target, heads, q_len, kind
     fp8 = torch.float8_e4m3fnuz if target.arch == "gfx942" else torch.float8_e4m3fn
     kv_dtype = fp8 if kind == "fp8" else torch.bfloat16
     config = kernel.default_config(target, num_heads=heads, q_len=q_len, kv_dtype=kv_dtype)
-    config = mla_decode_args._group_config(config, heads * q_len)
+    config = mla_decode_args.group_config(config, heads * q_len)
     # fp8 keeps the replicated 16-row entry (the row-owned ones spill, tuned_configs).
     if heads * q_len >= 64 and kind != "fp8":
         assert config.rows_per_warp == 16 and config.block_h == 16 * config.num_warps
@@ -675,7 +675,7 @@ def test_amd_compute_bound_configs_on_the_interpreter(target, heads, q_len, kind
 
 def test_stage1_refuses_partials_without_a_slot_for_every_row_of_a_group():
     """Stage 1 stores a cut unit's partial unmasked, a row for each of the group's BLOCK_H
-    rows (pad rows included), with unit strides in the last dims; ``_stage1_arguments``
+    rows (pad rows included), with unit strides in the last dims; ``stage1_arguments``
     refuses any other partial buffer (and final rows whose S_q and H are not adjacent)
     before the launch."""
     q, kv, bt, lens = prepared([20, 3], heads=20, q_len=3)
@@ -687,13 +687,13 @@ def test_stage1_refuses_partials_without_a_slot_for_every_row_of_a_group():
     lse = torch.empty(2, 3, 20, device=DEVICE)
 
     def arguments(part_out, part_lse, out=out, lse=lse):
-        return mla_decode_args._stage1_arguments(
+        return mla_decode_args.stage1_arguments(
             q, None, kv, bt, lens, tables_.launch_order, tables_.segments, out, lse,
             part_out, part_lse, None, head_dim_v=512, softmax_scale=0.1, causal=True,
             kv_scale=None, num_groups=1, config=config, target=target, dot_types=dot_types,
         )  # fmt: skip
 
-    part_out, part_lse = mla_decode_args._partials(2, 64, 512, DEVICE)
+    part_out, part_lse = mla_decode_args.partial_buffers(2, 64, 512, DEVICE)
     assert part_out.shape == (2, 64, 512) and part_lse.shape == (2, 64)
     grid, _, _ = arguments(part_out, part_lse)
     # One program per launch position of the tables (their capacity: mla_decode launches

@@ -38,7 +38,7 @@ from rocm_mla.inputs import DecodeSpec
 from rocm_mla.kernels import mla_decode as kernel
 from rocm_mla.kernels import occupancy, plan
 from rocm_mla.kernels import target as target_module
-from rocm_mla.kernels.mla_decode_args import _group_config
+from rocm_mla.kernels.mla_decode_args import group_config
 from rocm_mla.kernels.target import SUPPORTED_TRITON, TritonTarget
 from tests.reference import make_paged_problem
 
@@ -183,7 +183,7 @@ def test_a_config_that_fails_to_compile_falls_back_and_is_launched(
         rocm_mla.plan_decode(lengths, q_len=1, num_heads=16, kv_dtype=kv.dtype, backend="triton")
         for _ in range(2)
     ]
-    tuned = _group_config(kernel.default_config(SM90, num_heads=16, kv_dtype=kv.dtype), 16)
+    tuned = group_config(kernel.default_config(SM90, num_heads=16, kv_dtype=kv.dtype), 16)
     assert tuned.num_stages > 1
     for p in planned:
         assert p.launch.config == replace(tuned, num_stages=1, shrunk_num_stages=None)

@@ -103,12 +103,17 @@ def _bare_builder(*, page_size=16, num_heads=16, dcp_world_size=1):
 
 
 def _build(builder, block_table, seq_lens, max_seq_len, num_decode_tokens):
+    """``plan_step`` for uniform causal windows of ``num_decode_tokens // B`` rows."""
+    from rocm_mla.integrations.vllm.backend import _StepShape
+
+    batch = block_table.shape[0]
+    shape = _StepShape(batch, num_decode_tokens // batch, False, False, True, seq_lens.device)
     return builder.plan_step(
         block_table,
         seq_lens,
+        key=shape,
         num_decode_tokens=num_decode_tokens,
         max_seq_len=max_seq_len,
-        causal=True,
     )
 
 
@@ -164,7 +169,7 @@ def test_builder_rejects_lengths_past_the_block_table(monkeypatch):
     seq_lens = torch.tensor([5, 65], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"bound 65 exceeds .* 4 blocks x 16 tokens = 64"):
         _build(_bare_builder(), block_table, seq_lens, 65, num_decode_tokens=2)
-    with pytest.raises(ValueError, match="5 decode tokens do not split evenly over 2"):
+    with pytest.raises(ValueError, match="5 decode tokens are not 2 decode requests of 2 rows"):
         _build(_bare_builder(), block_table, seq_lens[:1], 5, num_decode_tokens=5)
 
 
@@ -352,10 +357,11 @@ def test_builder_logs_each_decode_shape_once(monkeypatch):
     of that shape log nothing (the hot path stays a set lookup)."""
     import logging
 
+    from rocm_mla.integrations import common
     from rocm_mla.integrations.vllm import backend
 
     monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
-    monkeypatch.setattr(backend, "_ANNOUNCED", set())
+    monkeypatch.setattr(common, "ANNOUNCED", set())
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -376,3 +382,138 @@ def test_builder_logs_each_decode_shape_once(monkeypatch):
         "rocm-mla: decode with torch (cpu) for 12 heads, q_len 1, kv float32",
         "rocm-mla: decode with torch (cpu) for 12 heads, q_len 4, kv float32",
     ]
+
+
+# ---- windows of different lengths and DCP rows: the builder's layout, forward_mqa's call ----
+
+
+def _step_builder(*, world: int, rank: int, interleave: int, threshold: int):
+    """``_bare_builder`` with what ``decode_metadata`` reads beyond ``plan_step``."""
+    from rocm_mla.integrations.common import CallLog
+    from rocm_mla.integrations.vllm.backend import CALL_LOG_ENV
+
+    builder = _bare_builder(num_heads=4, page_size=64, dcp_world_size=world)
+    builder.dcp_rank = rank
+    builder.cp_kv_cache_interleave_size = interleave
+    builder.reorder_batch_threshold = threshold
+    builder._log = CallLog(CALL_LOG_ENV)
+    return builder
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize(("world", "interleave"), [(1, 1), (2, 1), (4, 16)])
+def test_ragged_windows_under_dcp_decode_in_one_call(
+    vllm_config,  # noqa: F811 (fixture)
+    monkeypatch,
+    backend,
+    world,
+    interleave,
+):
+    """What vLLM hands a DCP rank for a step of mixed verify windows (n-gram drafts of 0-3
+    tokens): rank-local lengths, the global ones (dcp_tot_seq_lens) and the decode rows'
+    starts. The builder lays them out (packed windows, each row's local bound from the
+    global lengths), every rank's forward_mqa decodes its shard in one call, and the ranks'
+    partials merged by LSE equal the fp64 reference of the whole cache (without DCP, the one
+    rank's output does)."""
+    from vllm.model_executor.layers.attention.mla_attention import (
+        MLACommonDecodeMetadata,
+        MLACommonMetadata,
+    )
+
+    from rocm_mla import merge_states
+    from tests.reference import dcp_shard, dense_varlen_mla_decode
+
+    monkeypatch.setenv("ROCM_MLA_BACKEND", backend)
+    monkeypatch.setenv("ROCM_MLA_TRITON_SLOTS", "3")
+    heads, windows, lengths = 4, [4, 1, 2, 4], [3, 90, 130, 41]
+    q4, kv, table, seq_lens = make_paged_problem(
+        lengths, num_heads=heads * world, q_len=max(windows), block_size=64, seed=11
+    )
+    q = torch.cat([q4[b, :n] for b, n in enumerate(windows)])
+    starts = torch.tensor([0, *torch.tensor(windows).cumsum(0).tolist()], dtype=torch.int32)
+    ref_out, ref_lse = dense_varlen_mla_decode(q, starts, kv, table, seq_lens)
+    outs, lses = [], []
+    for rank in range(world):
+        shard, local_table, local = dcp_shard(kv, table, lengths, world, rank, interleave)
+        builder = _step_builder(world=world, rank=rank, interleave=interleave, threshold=4)
+        vllm_decode = MLACommonDecodeMetadata(
+            block_table=local_table,
+            seq_lens=local,
+            dcp_tot_seq_lens=seq_lens if world > 1 else None,
+        )
+        decode = builder.decode_metadata(
+            vllm_decode,
+            windows,
+            query_start_loc=starts,
+            num_decode_tokens=q.shape[0],
+            max_seq_len=int(local.max()),
+            causal=True,
+        )
+        assert decode.query_start_loc is starts and decode.plan.spec.varlen
+        assert (decode.row_seqlens is not None) == (world > 1)
+        impl = _make_impl(heads)
+        impl.dcp_world_size, impl.dcp_rank = world, rank
+        metadata = MLACommonMetadata(
+            num_reqs=len(windows),
+            max_query_len=max(windows),
+            max_seq_len=int(local.max()),
+            num_actual_tokens=q.shape[0],
+            query_start_loc=starts,
+            slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64),
+            num_decodes=len(windows),
+            num_decode_tokens=q.shape[0],
+            num_prefills=0,
+            head_dim=HEAD_SIZE,
+            decode=decode,
+        )
+        out, lse = impl.forward_mqa(q, shard, metadata, _Layer())
+        outs.append(out)
+        lses.append(lse)
+    if world == 1:
+        # Without DCP nothing reads the LSE, and the step is planned without it.
+        assert lses == [None]
+        torch.testing.assert_close(outs[0], ref_out.float(), atol=2e-5, rtol=2e-5)
+        return
+    out, lse = merge_states(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(out, ref_out.float(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=2e-5, rtol=2e-5)
+
+
+def test_a_dcp_window_without_the_global_lengths_is_refused(monkeypatch):
+    """vLLM's runner owes dcp_tot_seq_lens under DCP: without it the builder stops, naming
+    the contract, instead of deriving anything."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonDecodeMetadata
+
+    monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
+    builder = _step_builder(world=2, rank=0, interleave=1, threshold=4)
+    decode = MLACommonDecodeMetadata(
+        block_table=torch.zeros(2, 2, dtype=torch.int32),
+        seq_lens=torch.tensor([3, 5], dtype=torch.int32),
+        dcp_tot_seq_lens=None,
+    )
+    with pytest.raises(ValueError, match=r"needs each request's global length.*single producer"):
+        builder.decode_metadata(
+            decode,
+            [2, 2],
+            query_start_loc=torch.tensor([0, 2, 4], dtype=torch.int32),
+            num_decode_tokens=4,
+            max_seq_len=5,
+            causal=True,
+        )
+
+
+def test_the_builder_declares_varlen_and_dcp_drafts():
+    """vLLM keeps verify windows of any length in the decode part, with and without DCP, and
+    lets DSpark's causal and non-causal drafts run under DCP, only with these declarations."""
+    from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
+
+    from rocm_mla.integrations.vllm.backend import RocmMLABackend, RocmMLAMetadataBuilder
+
+    assert RocmMLAMetadataBuilder.query_len_support is QueryLenSupport.VARLEN
+    assert RocmMLAMetadataBuilder.supports_non_causal_multi_token_decode
+    assert RocmMLABackend.supports_non_causal_dcp()
+    import inspect
+
+    # vLLM builds the builder with its four positional arguments: the default is what holds.
+    declared = inspect.signature(RocmMLAMetadataBuilder.__init__).parameters
+    assert declared["supports_dcp_with_varlen"].default is True

@@ -132,7 +132,9 @@ def _generate(llm, prompts: list[list[int]], max_tokens: int) -> dict:
 def _run_engine(args: argparse.Namespace) -> None:
     from vllm import LLM
 
-    extra = {}
+    import rocm_mla
+
+    extra = json.loads(args.engine_args)
     if args.speculative:
         extra["speculative_config"] = {
             "method": "ngram",
@@ -158,7 +160,8 @@ def _run_engine(args: argparse.Namespace) -> None:
         **extra,
     )
     prompts = _prompts()
-    result = {"pid": os.getpid()}
+    # Which rocm_mla the engine imported: the installed wheel, not the checkout.
+    result = {"pid": os.getpid(), "rocm_mla": rocm_mla.__file__}
     if args.batched:
         result["batched"] = _generate(llm, prompts, NEW_TOKENS)
     if args.short:
@@ -167,6 +170,9 @@ def _run_engine(args: argparse.Namespace) -> None:
         result["mixed"] = _generate(llm, prompts, TRITON_NEW_TOKENS)
     if args.spec_prompts:
         result["spec"] = _generate(llm, _spec_prompts(), NEW_TOKENS)
+    if args.prompts_file:
+        given = json.loads(Path(args.prompts_file).read_text())
+        result["given"] = _generate(llm, given["prompts"], given["max_tokens"])
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -181,6 +187,12 @@ def _main() -> None:
     parser.add_argument("--mixed", action="store_true", help="all prompts, few tokens")
     parser.add_argument("--spec-prompts", action="store_true")
     parser.add_argument("--speculative", type=int, default=0, help="n-gram draft tokens k")
+    parser.add_argument(
+        "--prompts-file", help='JSON {"prompts": [[token ids]], "max_tokens": n}, generated too'
+    )
+    parser.add_argument(
+        "--engine-args", default="{}", help="JSON object of further vllm.LLM arguments"
+    )
     _run_engine(parser.parse_args())
 
 
@@ -198,11 +210,20 @@ def engine_model(tmp_path_factory) -> Path:
 
 
 class EngineRun:
-    """One finished engine process: its generations and the calls our impl logged."""
+    """One finished engine process: its generations, the calls our impl logged (read from
+    ``log_dir``) and what the engine printed (stdout, then stderr)."""
 
-    def __init__(self, result: dict, calls: list[tuple[int, str, str, int, int | None]]) -> None:
+    def __init__(
+        self,
+        result: dict,
+        calls: list[tuple[int, str, str, int, int | None]],
+        output: str,
+        log_dir: Path,
+    ) -> None:
         self.result = result
         self.calls = calls
+        self.output = output
+        self.log_dir = log_dir
 
     def decode_calls(self, backend: str) -> dict[int, int]:
         """pid -> forward_mqa calls made with rocm_mla backend ``backend``."""
@@ -226,8 +247,9 @@ def _engine(
 ) -> EngineRun:
     """Run one engine in a fresh process. ``backend=None`` leaves ROCM_MLA_BACKEND unset, so
     vLLM's own CPU_MLA decodes (the plugin then registers only CUSTOM); ``unset`` names
-    variables removed from the child's environment. ``expect_failure``: the run must exit
-    non-zero; its output is then ``result["output"]``."""
+    variables removed from the child's environment, ``env`` variables set in it (a
+    ``PYTHONPATH`` there names a test harness directory, see ``tests/vllm_cpu_cp``).
+    ``expect_failure``: the run must exit non-zero (its result is then empty)."""
     run_dir = tmp_path / name
     log_dir = run_dir / "calls"
     log_dir.mkdir(parents=True)
@@ -240,13 +262,12 @@ def _engine(
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        **(env or {}),
     }
     # The engine imports the installed package (scripts/vllm_cpu_env.sh: a wheel), never
     # the checkout: the entry point and the packaged rocm_mla.kernels are what is tested.
-    child_env.pop("PYTHONPATH", None)
-    for var in ("ROCM_MLA_BACKEND", *unset):
+    for var in ("PYTHONPATH", "ROCM_MLA_BACKEND", *unset):
         child_env.pop(var, None)
+    child_env.update(env or {})
     if backend is not None:
         child_env["ROCM_MLA_BACKEND"] = backend
     command = [sys.executable, __file__, "--model", str(model), "--out", str(out), *flags]
@@ -262,16 +283,17 @@ def _engine(
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"engine run {name!r} did not finish within {RUN_TIMEOUT_S} s: {exc}")
     calls = _read_calls(log_dir)
+    output = proc.stdout + proc.stderr
     if expect_failure:
         if proc.returncode == 0:
             pytest.fail(f"engine run {name!r} started and finished, expected a refusal")
-        return EngineRun({"output": proc.stdout + proc.stderr}, calls)
+        return EngineRun({}, calls, output, log_dir)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(
             f"engine run {name!r} exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n"
             f"{proc.stderr[-8000:]}"
         )
-    return EngineRun(json.loads(out.read_text()), calls)
+    return EngineRun(json.loads(out.read_text()), calls, output, log_dir)
 
 
 def _schedule_facts(log_dir: Path) -> list[dict[str, int]]:
@@ -443,7 +465,7 @@ def test_named_backend_that_cannot_run_stops_start_up(engine_model, tmp_path):
         unset=("TRITON_INTERPRET",),
         expect_failure=True,
     )
-    output = run.result["output"]
+    output = run.output
     assert "ROCM_MLA_BACKEND=triton cannot run on this machine: no GPU Triton target" in output
     assert "Backends that can: torch" in output
     assert "Engine core initialization failed" in output, "refused after start-up"

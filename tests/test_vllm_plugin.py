@@ -435,3 +435,70 @@ def test_impl_refuses_triton_without_a_target(vllm_config, monkeypatch):
     assert _make_impl(16).rocm_mla_backend == "torch"
     monkeypatch.setenv("ROCM_MLA_BACKEND", "auto")
     assert _make_impl(16).rocm_mla_backend == "auto"
+
+
+# --- releases (issue 43): registration under an untested vLLM --------------------------------
+
+
+def _untested(monkeypatch, plugin):
+    """This vLLM treated as a release outside the tested range."""
+    from rocm_mla.integrations.common import VLLM, ReleasesTested
+
+    untested = ReleasesTested("vLLM", VLLM.package, (9, 0, 0), (9, 0))
+    monkeypatch.setattr(plugin, "VLLM", untested)
+
+
+def _log_of(plugin, run):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    level = plugin.logger.level
+    plugin.logger.addHandler(handler)
+    plugin.logger.setLevel(logging.INFO)
+    try:
+        result = run()
+    finally:
+        plugin.logger.removeHandler(handler)
+        plugin.logger.setLevel(level)
+    return result, [r.getMessage() for r in records]
+
+
+def test_a_tested_release_registers_without_checking(registry):
+    from rocm_mla.integrations.common import VLLM
+    from rocm_mla.integrations.vllm import plugin
+
+    distribution, version = VLLM.installed()
+    assert VLLM.covers(version), f"make test-vllm's {distribution} {version} is not in {VLLM}"
+    members, lines = _log_of(plugin, plugin.register)
+    assert members == ["CUSTOM"] and len(lines) == 1
+    assert "not a release rocm-mla is tested with" not in lines[0]
+
+
+def test_an_untested_release_is_checked_and_registers(registry, monkeypatch):
+    from rocm_mla.integrations.vllm import plugin
+
+    _untested(monkeypatch, plugin)
+    members, lines = _log_of(plugin, plugin.register)
+    assert members == ["CUSTOM"]
+    assert registry.AttentionBackendEnum.CUSTOM.get_class() is _our_backend()
+    check, registered = lines
+    assert "is not a release rocm-mla is tested with (vLLM 9.0.0 to 9.0.x)" in check
+    assert check.endswith("it overrides: all there, registering")
+    assert "CUSTOM" in registered
+
+
+def test_an_untested_release_lacking_a_need_leaves_vllm_in_charge(registry, monkeypatch):
+    from rocm_mla.integrations.vllm import plugin
+
+    _untested(monkeypatch, plugin)
+    registry_module = "vllm.v1.attention.backends.registry"
+    needs = {**plugin.NEEDS, registry_module: (*plugin.NEEDS[registry_module], "gone")}
+    monkeypatch.setattr(plugin, "NEEDS", needs)
+    monkeypatch.setenv("ROCM_MLA_BACKEND", "torch")
+    members, (line,) = _log_of(plugin, plugin.register)
+    assert members == []
+    assert f"{registry_module} has no gone" in line
+    assert line.endswith("registering nothing, vLLM's own attention backends stay in charge")
+    assert registry._ATTN_OVERRIDES == {}
+    member = registry.AttentionBackendEnum["TRITON_MLA"]
+    assert not member.is_overridden() and member.get_path().startswith("vllm.")

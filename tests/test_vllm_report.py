@@ -9,7 +9,7 @@ import torch
 import rocm_mla
 from rocm_mla.backends.triton import TritonMLAImpl
 from rocm_mla.cli import main
-from rocm_mla.integrations.vllm.report import describe_plan, startup_refusal
+from rocm_mla.integrations.common import describe_plan, startup_refusal
 
 
 def test_auto_and_runnable_backends_are_never_refused():

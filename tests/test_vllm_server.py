@@ -392,7 +392,9 @@ def test_smoke_script_serves_the_real_model_with_two_backends(served_model, tmp_
     """docker/smoke.sh's serving steps, through docker/entrypoint.sh, against vLLM's real
     server on CPU: the torch backend and the Triton interpreter each serve one greedy
     completion, and the two agree. Only the GPU steps (the GPU test suite, the roofline
-    benchmark) are stood in for; ``rocm-mla info`` is the installed one."""
+    benchmark) are stood in for; ``rocm-mla info`` is the installed one, so the AITER step
+    runs for real and must fail alone, naming every shape and why (this torch is no ROCm
+    build), while every other step still runs."""
     bin_dir, log = tmp_path / "bin", tmp_path / "bin.jsonl"
     bin_dir.mkdir()
     recording_stub(bin_dir, "python3", log, then=FAKE_PYTHON3 % shlex.quote(sys.executable))
@@ -422,7 +424,11 @@ def test_smoke_script_serves_the_real_model_with_two_backends(served_model, tmp_
         text=True,
         timeout=2 * START_TIMEOUT_S + 120,
     )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.stdout.rstrip().endswith("smoke: FAILED steps: aiter_shapes"), proc.stdout[-3000:]
+    refusal = (results / "logs" / "aiter_shapes.log").read_text()
+    assert "the aiter backend would refuse bf16:16:1," in refusal, refusal[-3000:]
+    assert "torch is not a ROCm build" in refusal, refusal[-3000:]
     assert "smoke: the backends agree on the first 4 of 4 tokens" in proc.stdout
     served = [c["env"]["ROCM_MLA_BACKEND"] for c in calls(log) if c["cmd"] == "vllm"]
     assert served == ["torch", "triton"]

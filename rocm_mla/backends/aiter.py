@@ -9,13 +9,32 @@ AITER's MLA decode is prebuilt assembly. Its contract, and how this impl meets i
 - heads: the non-persistent kernels exist for 16 and 128 query heads with both bf16 and
   fp8 inputs (``csrc/py_itfs_cu/asm_mla.cu``), so other counts are zero-padded up to the
   next of those and sliced back out of ``o`` and the LSE.
-- keywords: everything after ``max_seqlen_q`` is passed by keyword, because older releases
-  had no ``page_size``/``nhead_kv`` and ``sm_scale`` sat where ``page_size`` sits now.
+- releases: the installed ``mla_decode_fwd`` is read once (``installed_release``: its
+  parameters, whether its split reduce writes an LSE, the amd-aiter version) and the call
+  is built for it. Everything after ``max_seqlen_q`` is passed by keyword: releases before
+  0.1.11 (amd-aiter 0.1.7.post2.dev18, the one on PyPI, among them) have no
+  ``page_size``/``nhead_kv`` and read both from the 4-D ``kv_buffer`` view, and there
+  ``sm_scale`` sits where ``page_size`` sits now. What a release cannot serve is an
+  unsupported reason at selection (``release_reasons``), never an error at the first call.
 - output: the kernel writes the result into ``o``; the first value it returns is the fp32
-  split-KV scratch (``[total_q, splits, H, Dv]``), not the output. ``return_lse=True``
-  returns the natural-log LSE of the scaled scores as ``[total_q, H]`` fp32, this
-  package's own convention, so it only needs reshaping. (AITER before aiter#3267 returned
-  a wrong LSE for more than 16 heads; DCP needs a release with that fix.)
+  split-KV scratch (``[total_q, splits, H, Dv]``), not the output.
+- LSE (``AiterRelease.lse_reason``): the natural-log LSE of the scaled scores,
+  ``[total_q, H]`` fp32, this package's convention. Without ``page_size`` a call is
+  non-persistent, and there AITER's LSE came late: before 0.1.13 its split reduce wrote none
+  (the second value returned is an unwritten buffer, aiter#1420; ``return_lse``, from 0.1.9,
+  changed only the persistent path); 0.1.13-0.1.18 write it in the reduce (aiter#2729) but
+  ``return_lse=True`` fails the stage-1 kernel lookup for 16 and 128 heads (no LSE kernel
+  outside persistent mode; aiter#4308, first in 0.1.19). From 0.1.19 on the reduce writes it,
+  but a launch of one split per request skips the reduce (the fp8 and 4-query early return,
+  the copy-out of other one-split launches) and leaves it unwritten, and AITER's split
+  heuristic picks one split when the batch fills the GPU. Only bf16 with 16 kernel heads and
+  S_q 1 always reduces; for the other bf16 calls that need the LSE the plan picks the split
+  count itself (``lse_split_count``: AITER's own heuristic without the one-split choice) and
+  passes it as ``num_kv_splits``. fp8 cannot be forced: AITER caps an fp8 launch's splits
+  by the context length, down to one for short ones, so fp8 with the LSE is refused.
+  (aiter#3267's description names an ``nhead > 16`` LSE fix in ``mla_decode_fwd``, but the
+  change merged as 48943d8ff5 touches no MLA code; as of ROCm/aiter e4048607a5, 2026-08-22,
+  the one-split LSE is unwritten.)
 - empty rows: a request with no visible keys comes back as ``0/0`` (NaN) from the split
   reduce, so rows with no visible key are set to out 0 / lse -inf here, as
   ``rocm_mla.mla_decode`` promises.
@@ -37,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +77,7 @@ from rocm_mla.inputs import (
     DecodeSpec,
     visible_lengths,
 )
+from rocm_mla.platform import parse_release
 
 SUPPORTED_ARCHS = ("gfx942", "gfx950")
 #: AITER's fp8 type per arch (``aiter.utility.dtypes.defaultDtypes``).
@@ -68,6 +89,172 @@ KERNEL_HEADS = (16, 128)
 #: has bf16 kernels up to 8.
 MAX_Q_LEN_BF16 = 8
 MAX_Q_LEN_FP8 = 4
+#: ``mla_decode_fwd``'s leading parameters, passed by position in every release.
+POSITIONAL = (
+    "q",
+    "kv_buffer",
+    "o",
+    "qo_indptr",
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_lens",
+    "max_seqlen_q",
+)
+#: The first amd-aiter release whose non-persistent decode can return the LSE: the split
+#: reduce writes it (aiter#2729, 0.1.13) and ``return_lse=True`` no longer fails the
+#: stage-1 kernel lookup (aiter#4308, fd90c7fffa).
+LSE_RELEASE = (0, 1, 19)
+
+
+@dataclass(frozen=True)
+class AiterRelease:
+    """What an AITER release's ``aiter.mla.mla_decode_fwd`` takes and gives, as this backend
+    calls it (non-persistent, page size 1)."""
+
+    #: amd-aiter's version ("0.1.7.post2.dev18"); None when no such distribution is installed
+    #: (a source tree on the path)
+    version: str | None
+    #: ``mla_decode_fwd``'s parameter names, in order
+    parameters: tuple[str, ...]
+    #: whether its non-persistent split reduce (``_fwd_kernel_stage2_asm``) has a final-LSE
+    #: output (aiter#2729)
+    reduce_writes_lse: bool
+
+    @property
+    def name(self) -> str:
+        return f"amd-aiter {self.version}" if self.version else "aiter (version unknown)"
+
+    @property
+    def page_keywords(self) -> bool:
+        """``page_size``/``nhead_kv`` are keywords (else read from the 4-D ``kv_buffer``)."""
+        return {"page_size", "nhead_kv"} <= set(self.parameters)
+
+    @property
+    def return_lse(self) -> bool:
+        return "return_lse" in self.parameters
+
+    @property
+    def fp8_scales(self) -> bool:
+        """It takes ``q_scale`` and ``kv_scale``: fp8 q over an fp8 cache (a8w8)."""
+        return {"q_scale", "kv_scale"} <= set(self.parameters)
+
+    @property
+    def lse_lookup_fixed(self) -> bool:
+        """Its version is ``LSE_RELEASE`` or newer (a pre-release of it does not count)."""
+        release = parse_release(self.version)
+        return release is not None and release.at_least(LSE_RELEASE)
+
+    def signature_reason(self) -> str | None:
+        """Why this backend cannot call this ``mla_decode_fwd`` at all, or None."""
+        lead = self.parameters[: len(POSITIONAL)]
+        if lead != POSITIONAL or "sm_scale" not in self.parameters:
+            return (
+                f"{self.name}: aiter.mla.mla_decode_fwd{_signature(self.parameters)} is not "
+                f"the interface this backend calls ({', '.join(POSITIONAL)}, then sm_scale "
+                "by keyword); use the triton backend, or an amd-aiter this release of "
+                "rocm-mla knows"
+            )
+        return None
+
+    def lse_reason(self, spec: DecodeSpec) -> str | None:
+        """Why this release cannot return a correct LSE for ``spec``, or None."""
+        if not (self.return_lse and self.reduce_writes_lse):
+            keyword = (
+                "its return_lse changes only the persistent path"
+                if self.return_lse
+                else "it has no return_lse keyword"
+            )
+            return (
+                f"the call needs the LSE (DCP, merge_states) and {self.name} returns none "
+                f"from its non-persistent decode ({keyword}, and its split reduce writes "
+                f"none: aiter#1420); amd-aiter {_dotted(LSE_RELEASE)} or newer returns it "
+                "for bf16 caches"
+            )
+        if not self.lse_lookup_fixed:
+            return (
+                f"the call needs the LSE and {self.name}'s mla_decode_fwd(return_lse=True) "
+                "fails its kernel lookup for 16 and 128 heads outside persistent mode "
+                f"(aiter#4308, first in amd-aiter {_dotted(LSE_RELEASE)})"
+            )
+        if spec.kv_dtype in FP8_DTYPES:
+            return (
+                f"the call needs the LSE and {self.name} writes it only in its split reduce, "
+                "which a one-split launch skips; an fp8 launch's split count is capped by "
+                "the context length (one split for short ones), so it cannot be forced"
+            )
+        return None
+
+    def features(self) -> dict[str, bool]:
+        """What of the interface this backend uses the release has (``rocm-mla info``)."""
+        return {
+            "page_size/nhead_kv keywords": self.page_keywords,
+            "fp8 q_scale/kv_scale": self.fp8_scales,
+            "return_lse keyword": self.return_lse,
+            "split reduce writes the LSE (aiter#2729)": self.reduce_writes_lse,
+            f"LSE kernel lookup fixed (aiter#4308, {_dotted(LSE_RELEASE)})": (
+                self.lse_lookup_fixed
+            ),
+        }
+
+    def summary(self) -> str:
+        """One line: what this release serves through this backend, and what it does not."""
+        reason = self.signature_reason()
+        if reason is not None:
+            return reason
+        cannot = []
+        if not self.fp8_scales:
+            cannot.append("fp8 caches (no q_scale/kv_scale)")
+        if not (self.return_lse and self.reduce_writes_lse and self.lse_lookup_fixed):
+            cannot.append("the LSE (DCP, merge_states)")
+        else:
+            cannot.append("the LSE of an fp8 cache")
+        kinds = "bf16 and fp8" if self.fp8_scales else "bf16"
+        return (
+            f"{self.name}: decodes {kinds} caches, {KERNEL_HEADS[0]} or {KERNEL_HEADS[-1]} "
+            f"kernel heads (fewer padded up); not {'; not '.join(cannot)}"
+        )
+
+
+#: AITER's split heuristic (``get_meta_param`` in ``aiter/mla.py``, every release): the split
+#: count ``i`` in ``1..MAX_SPLITS`` that maximizes the CU occupancy of ``B * i`` workgroups
+#: times ``avg_keys / (avg_keys + SPLIT_OVERHEAD_KEYS * i)``.
+MAX_SPLITS = 16
+SPLIT_OVERHEAD_KEYS = 84.1
+
+
+def always_reduces(spec: DecodeSpec) -> bool:
+    """Whether AITER's non-persistent decode runs its split reduce (which writes the LSE)
+    whatever the split count: bf16, 16 kernel heads, one query per request."""
+    return spec.kv_dtype not in FP8_DTYPES and spec.num_heads <= KERNEL_HEADS[0] and spec.q_len == 1
+
+
+def lse_split_count(batch: int, total_keys: int, compute_units: int) -> int:
+    """The split count of a launch that must return the LSE: AITER's own heuristic with the
+    one-split choice left out (a one-split launch skips the reduce that writes the LSE)."""
+    average = total_keys / batch
+
+    def score(splits: int) -> float:
+        groups = batch * splits
+        slots = -(-groups // compute_units) * compute_units
+        return groups / slots * average / (average + SPLIT_OVERHEAD_KEYS * splits)
+
+    return max(range(2, MAX_SPLITS + 1), key=score)
+
+
+@dataclass(frozen=True)
+class AiterLaunch:
+    """A plan's AITER decision (``DecodePlan.launch``): the split count the call passes, for
+    a call that needs the LSE and would not reduce at one split; None lets AITER choose."""
+
+    num_kv_splits: int | None
+
+
+def _dotted(numbers: tuple[int, ...]) -> str:
+    return ".".join(map(str, numbers))
+
+
+def _signature(parameters: tuple[str, ...]) -> str:
+    return f"({', '.join(parameters)})"
 
 
 def _aiter_mla() -> ModuleType:
@@ -98,14 +285,49 @@ def _aiter_version() -> str | None:
     return platform.package_version("amd-aiter")
 
 
+@functools.cache
+def installed_release(load: Callable[[], ModuleType]) -> AiterRelease:
+    """The release ``load`` (``_aiter_mla``) imports, read once per loader: the parameters of
+    its ``mla_decode_fwd`` and of its non-persistent split reduce (a Triton kernel keeps its
+    Python function in ``.fn``). Call it only once ``_import_failure(load)`` is None."""
+    module = load()
+    parameters = tuple(inspect.signature(module.mla_decode_fwd).parameters)
+    reduce = getattr(module, "_fwd_kernel_stage2_asm", None)
+    reduce = getattr(reduce, "fn", reduce)
+    reduce_parameters = inspect.signature(reduce).parameters if callable(reduce) else {}
+    return AiterRelease(
+        version=_aiter_version(),
+        parameters=parameters,
+        reduce_writes_lse="Final_lse" in reduce_parameters,
+    )
+
+
 def _torch_build() -> str:
     return platform.torch_build()
+
+
+def _compute_units(device: torch.device) -> int:
+    """Compute units of the GPU at ``device`` (AITER's ``get_cu_num`` for its heuristic)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _gpu_arch() -> str | None:
     """The gfx arch of the current GPU ("gfx942"), or None with no HIP GPU visible."""
     current = platform.current_platform()
     return current.arch if current.kind == "hip" else None
+
+
+def installed_report() -> dict[str, object]:
+    """The AITER release this backend would call, for ``rocm-mla info``: its ``summary`` and
+    ``features`` where it imports (a ROCm torch on gfx942/gfx950), else both None."""
+    if (
+        _torch_build() != "rocm"
+        or _gpu_arch() not in SUPPORTED_ARCHS
+        or _import_failure(_aiter_mla) is not None
+    ):
+        return {"summary": None, "features": None}
+    release = installed_release(_aiter_mla)
+    return {"summary": release.summary(), "features": release.features()}
 
 
 def kernel_heads(num_heads: int) -> int:
@@ -317,6 +539,10 @@ class AiterMLAImpl(MLADecodeImpl):
         platforms=("hip",),
         q_dtypes=(torch.bfloat16,),
         kv_dtypes=(torch.bfloat16, torch.float8_e4m3fnuz, torch.float8_e4m3fn),
+        # Windows of different lengths run front-padded to the longest (``_padded_windows``);
+        # a bound per row (DCP verify windows) is not something mla_decode_fwd takes: it
+        # aligns each window's causal mask to the end of the request's keys.
+        varlen=True,
     )
 
     @classmethod
@@ -329,13 +555,16 @@ class AiterMLAImpl(MLADecodeImpl):
             return "no AMD GPU visible to torch"
         if arch not in SUPPORTED_ARCHS:
             return f"arch {arch} is not {'/'.join(SUPPORTED_ARCHS)} (AITER's MLA decode kernels)"
-        return _import_failure(_aiter_mla)
+        failure = _import_failure(_aiter_mla)
+        if failure is not None:
+            return failure
+        return installed_release(_aiter_mla).signature_reason()
 
     @classmethod
     def target(cls) -> str | None:
         if cls.unavailable_reason() is not None:
             return None
-        return f"hip {_gpu_arch()} (aiter {_aiter_version() or 'version unknown'})"
+        return f"hip {_gpu_arch()} ({installed_release(_aiter_mla).summary()})"
 
     @classmethod
     def unsupported_reasons(cls, call: DecodeSpec | DecodeProblem) -> list[str]:
@@ -343,13 +572,50 @@ class AiterMLAImpl(MLADecodeImpl):
         if cls.unavailable_reason() is not None:
             return reasons
         spec = call.spec if isinstance(call, DecodeProblem) else call
-        return reasons + _shape_reasons(spec, _gpu_arch())
+        release = installed_release(_aiter_mla)
+        return reasons + _shape_reasons(spec, _gpu_arch()) + release_reasons(spec, release)
+
+    @classmethod
+    def plan_launch(
+        cls,
+        spec: DecodeSpec,
+        *,
+        batch: int,
+        max_seqlen: int,
+        total_seqlen: int,
+        lengths: torch.Tensor | None = None,
+        bounds_only: bool = False,
+        capacity_keys: int | None = None,
+        cache_bytes: int | None = None,
+    ) -> AiterLaunch:
+        if not spec.lse or always_reduces(spec):
+            return AiterLaunch(num_kv_splits=None)
+        units = _compute_units(spec.device)
+        return AiterLaunch(num_kv_splits=lse_split_count(batch, total_seqlen, units))
 
     def _decode(
         self, problem: DecodeProblem, plan: DecodePlan
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One kernel call; returns ``(out [B, S_q, H, Dv] q.dtype, lse [B, S_q, H] fp32)``."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One kernel call; returns ``(out [B, S_q, H, Dv] q.dtype, lse [B, S_q, H] fp32)``
+        (``[T, H, Dv]`` and ``[T, H]`` for packed windows), the LSE None for a plan without
+        one."""
+        if not problem.varlen:
+            return self._decode_windows(problem, plan)
+        padded, tokens = _padded_windows(problem, plan.spec.q_len)
+        out, lse = self._decode_windows(padded, plan)
+        return out[tokens], None if lse is None else lse[tokens]
+
+    def _decode_windows(
+        self, problem: DecodeProblem, plan: DecodePlan
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``_decode`` of windows of one length."""
         p = problem
+        release = installed_release(_aiter_mla)
+        # Selection refused these already; a caller that skipped it gets the same reasons.
+        refused = release_reasons(plan.spec, release)
+        if refused:
+            raise ValueError(f"MLA backend 'aiter' cannot run this call: {'; '.join(refused)}")
+        want_lse = plan.spec.lse
         batch, q_len, num_heads, head_dim = p.q.shape
         dv, device = p.head_dim_v, p.q.device
         total_q, heads = batch * q_len, kernel_heads(num_heads)
@@ -376,7 +642,7 @@ class AiterMLAImpl(MLADecodeImpl):
             # from the token count and would be asked for zero splits.
             out = torch.zeros(batch, q_len, num_heads, dv, dtype=p.q.dtype, device=device)
             lse = torch.full((batch, q_len, num_heads), -math.inf, device=device)
-            return _poisoned(out, lse, poison)
+            return _poisoned(out, lse if want_lse else None, poison)
 
         q = p.q.reshape(total_q, num_heads, head_dim)
         if heads != num_heads:
@@ -390,6 +656,15 @@ class AiterMLAImpl(MLADecodeImpl):
         q = q.contiguous()  # the kernel addresses q as dense [total_q, H, D]
         o = torch.empty(total_q, heads, dv, dtype=p.q.dtype, device=device)
 
+        keywords = {"sm_scale": p.softmax_scale}
+        if release.page_keywords:
+            keywords.update(page_size=1, nhead_kv=1)
+        if q_scale is not None:
+            keywords.update(q_scale=q_scale, kv_scale=kv_scale)
+        if release.return_lse:
+            keywords["return_lse"] = want_lse
+        if plan.launch.num_kv_splits is not None:
+            keywords["num_kv_splits"] = plan.launch.num_kv_splits
         _, kernel_lse = _aiter_mla().mla_decode_fwd(
             q,
             kv_view,
@@ -399,35 +674,69 @@ class AiterMLAImpl(MLADecodeImpl):
             meta.kv_indices,
             meta.kv_last_page_lens,
             meta.max_seqlen_q,
-            page_size=1,
-            nhead_kv=1,
-            sm_scale=p.softmax_scale,
-            q_scale=q_scale,
-            kv_scale=kv_scale,
-            return_lse=True,
+            **keywords,
         )
 
+        kernel_out = o.view(batch, q_len, heads, dv)[:, :, :num_heads]
+        out = kernel_out.masked_fill(empty[..., None], 0.0)
+        if not want_lse:
+            # Whatever a release without return_lse hands back second is not read.
+            return _poisoned(out, None, poison)
         if kernel_lse is None:
             raise RuntimeError(
-                "aiter: mla_decode_fwd(..., return_lse=True) returned no LSE; this AITER "
-                "release cannot serve the LSE that DCP and merge_states need; upgrade amd-aiter"
+                f"aiter: {release.name}'s mla_decode_fwd(..., return_lse=True) returned no "
+                "LSE, though its interface says it does; report it with `rocm-mla info`"
             )
-        kernel_out = o.view(batch, q_len, heads, dv)[:, :, :num_heads]
         kernel_lse = kernel_lse.reshape(batch, q_len, heads)[:, :, :num_heads]
-        out = kernel_out.masked_fill(empty[..., None], 0.0)
         lse = kernel_lse.to(torch.float32).masked_fill(empty, -math.inf)
         return _poisoned(out, lse, poison)
 
 
+def _padded_windows(
+    problem: DecodeProblem, q_len: int
+) -> tuple[DecodeProblem, tuple[torch.Tensor, torch.Tensor]]:
+    """Packed windows as ``q_len``-row ones, each padded at the front: ``(the uniform
+    problem, (request, row) of each packed token)``.
+
+    AITER's causal mask aligns a window's last row with the request's last key (row ``j``
+    of ``S`` sees ``L - S + 1 + j`` keys), so a window of ``n`` rows placed in the last ``n``
+    of ``S`` keeps each row's keys (``L - n + 1 + i``); the padding rows see fewer and are
+    dropped. They cost the kernel rows, not KV reads: a window's rows share each KV load.
+    """
+    p = problem
+    qsl = p.query_start_loc.to(torch.int64)
+    sizes = qsl[1:] - qsl[:-1]  # [B]
+    tokens = torch.arange(p.num_tokens, device=p.q.device)
+    request = torch.searchsorted(qsl[1:], tokens, right=True)
+    row = q_len - sizes[request] + tokens - qsl[request]
+    q = p.q.new_zeros(p.batch, q_len, p.num_heads, p.head_dim)
+    q[request, row] = p.q
+    padded = dataclasses.replace(p, q=q, query_start_loc=None, max_q_len=None)
+    return padded, (request, row)
+
+
 def _poisoned(
-    out: torch.Tensor, lse: torch.Tensor, poison: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out: torch.Tensor, lse: torch.Tensor | None, poison: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``out``/``lse`` with the ``[B, S_q]`` rows of ``poison`` set to NaN in every head."""
     rows = poison[:, :, None]
-    return (
-        out.masked_fill(rows[..., None], math.nan).contiguous(),
-        lse.masked_fill(rows, math.nan).contiguous(),
-    )
+    out = out.masked_fill(rows[..., None], math.nan).contiguous()
+    return out, None if lse is None else lse.masked_fill(rows, math.nan).contiguous()
+
+
+def release_reasons(spec: DecodeSpec, release: AiterRelease) -> list[str]:
+    """What ``release`` cannot serve of ``spec``, each naming the release (empty: all of it)."""
+    reasons = []
+    if spec.kv_dtype in FP8_DTYPES and not release.fp8_scales:
+        reasons.append(
+            f"{release.name}: mla_decode_fwd takes no q_scale/kv_scale, so fp8 q over an fp8 "
+            "cache cannot be scaled"
+        )
+    if spec.lse:
+        reason = release.lse_reason(spec)
+        if reason is not None:
+            reasons.append(reason)
+    return reasons
 
 
 def _layout_reason(kv_cache: torch.Tensor) -> str:

@@ -37,6 +37,10 @@ class Capabilities:
     platforms: tuple[str, ...]  #: platform kinds: "cpu", "cuda", "hip"
     q_dtypes: tuple[torch.dtype, ...]
     kv_dtypes: tuple[torch.dtype, ...]
+    #: windows of different lengths in one call (q packed with ``query_start_loc``)
+    varlen: bool = False
+    #: a KV bound per query row (``row_seqlens``: DCP verify windows)
+    row_bounds: bool = False
 
 
 def device_kind(device: torch.device) -> str:
@@ -126,6 +130,10 @@ class MLADecodeImpl:
             reasons.append(f"q dtype {spec.q_dtype}, supported: {_names(caps.q_dtypes)}")
         if spec.kv_dtype not in caps.kv_dtypes:
             reasons.append(f"kv_cache dtype {spec.kv_dtype}, supported: {_names(caps.kv_dtypes)}")
+        if spec.varlen and not caps.varlen:
+            reasons.append("windows of different lengths in one call (query_start_loc)")
+        if spec.row_bounds and not caps.row_bounds:
+            reasons.append("a KV bound per query row (row_seqlens)")
         return reasons
 
     @classmethod
@@ -223,9 +231,12 @@ class MLADecodeImpl:
         kv_scale: float | torch.Tensor | None = None,
         plan: DecodePlan | None = None,
         fault_flag: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode; shapes and semantics as ``rocm_mla.mla_decode`` (``plan=`` and
-        ``fault_flag=`` included).
+        query_start_loc: torch.Tensor | None = None,
+        max_q_len: int | None = None,
+        row_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode; shapes and semantics as ``rocm_mla.mla_decode`` (``plan=``,
+        ``fault_flag=``, packed windows and per-row bounds included).
 
         The one place the sequence check -> select -> plan -> run is written: ``mla_decode``
         and the vLLM impl both come through here.
@@ -241,13 +252,17 @@ class MLADecodeImpl:
             kv_scale=kv_scale,
             check_values=plan is None,
             fault_flag=fault_flag,
+            query_start_loc=query_start_loc,
+            max_q_len=max_q_len,
+            row_seqlens=row_seqlens,
         )
         if (
             problem.num_heads != self.num_heads
             or problem.head_dim != self.head_dim_v + self.rope_dim
         ):
+            rows = "T" if problem.varlen else "B, S_q"
             raise ValueError(
-                f"{self.name}: q must be [B, S_q, {self.num_heads}, "
+                f"{self.name}: q must be [{rows}, {self.num_heads}, "
                 f"{self.head_dim_v + self.rope_dim}] for this impl (num_heads={self.num_heads}, "
                 f"head_dim_v={self.head_dim_v}, rope_dim={self.rope_dim}), "
                 f"got {tuple(q.shape)}"
@@ -262,11 +277,12 @@ class MLADecodeImpl:
 
     def run(
         self, problem: DecodeProblem, plan: DecodePlan | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode an already validated problem; re-checks the CP pair first, every call.
 
         With ``plan`` the call must match it (shapes, dtypes, device, backend); nothing is
         read back from the device. Without, the problem is planned here (one host sync).
+        The LSE is None when the plan was made without one (``plan.spec.lse`` False).
         """
         check_cp(self.dcp_world_size, self.dcp_rank)
         if plan is None:
@@ -275,12 +291,14 @@ class MLADecodeImpl:
             check_plan_matches(plan, problem, self.name)
             if debug_checks_enabled():
                 check_lengths_within_plan(plan, problem)
-        return self._decode(problem, plan)
+        out, lse = self._decode(problem, plan)
+        return out, (lse if plan.spec.lse else None)
 
     def _decode(
         self, problem: DecodeProblem, plan: DecodePlan
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel itself. Subclasses implement this; it must read no tensor."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The kernel itself. Subclasses implement this; it must read no tensor. The LSE may
+        be None only for a plan without one (``plan.spec.lse`` False)."""
         raise NotImplementedError
 
 
@@ -298,7 +316,8 @@ def check_plan_matches(plan: DecodePlan, problem: DecodeProblem, backend: str) -
         for what, want, have in (
             ("backend", plan.backend, backend),
             ("batch", plan.batch, problem.batch),
-            ("q_len", spec.q_len, got.q_len),
+            ("varlen (query_start_loc)", spec.varlen, got.varlen),
+            ("row bounds (row_seqlens)", spec.row_bounds, got.row_bounds),
             ("num_heads", spec.num_heads, got.num_heads),
             ("head_dim", spec.head_dim, got.head_dim),
             ("head_dim_v", spec.head_dim_v, got.head_dim_v),
@@ -308,6 +327,11 @@ def check_plan_matches(plan: DecodePlan, problem: DecodeProblem, backend: str) -
         )
         if want != have
     ]
+    # Packed windows are planned for the longest a step may bring (a graph's maximum draft);
+    # uniform ones for exactly theirs.
+    if got.q_len > spec.q_len or (not spec.varlen and got.q_len != spec.q_len):
+        longest = "up to " if spec.varlen else ""
+        mismatches.append(f"q_len: plan {longest}{spec.q_len}, call {got.q_len}")
     if not same_device(spec.device, got.device):
         mismatches.append(f"device: plan {spec.device}, call {got.device}")
     if spec.block_size is not None and spec.block_size != got.block_size:

@@ -27,11 +27,13 @@ from rocm_mla.inputs import (
     FAULT_BEYOND_TABLE,
     FAULT_BLOCK_ID,
     FAULT_NEGATIVE_LENGTH,
+    FAULT_ROW_BOUND,
     FP8_DTYPES,
     KV_DTYPES,
     Q_DTYPES,
     DecodePlan,
     DecodeProblem,
+    row_bound_faults,
     visible_lengths,
 )
 from rocm_mla.kernels import cpu_decode
@@ -51,7 +53,11 @@ _FLUSH_BELOW = 2.0**-100
 class TorchMLAImpl(MLADecodeImpl):
     name = "torch"
     capabilities = Capabilities(
-        platforms=("cpu", "cuda", "hip"), q_dtypes=Q_DTYPES, kv_dtypes=KV_DTYPES
+        platforms=("cpu", "cuda", "hip"),
+        q_dtypes=Q_DTYPES,
+        kv_dtypes=KV_DTYPES,
+        varlen=True,
+        row_bounds=True,
     )
 
     def _decode(
@@ -67,7 +73,8 @@ def torch_mla_decode(
     """The torch decode. ``plan`` supplies the longest length the call may read (no host
     sync); without one it is read from the lengths (one sync)."""
     p = problem
-    if p.q.device.type == "cpu" and cpu_kernel_unavailable() is None:
+    per_row = p.varlen or p.row_seqlens is not None
+    if p.q.device.type == "cpu" and cpu_kernel_unavailable() is None and not per_row:
         return cpu_decode.decode(
             p.q,
             p.kv_cache,
@@ -84,6 +91,7 @@ def torch_mla_decode(
     max_blocks = p.block_table.shape[1]
 
     visible = visible_lengths(p)  # [B, S_q], >= 0
+    bad_bound = row_bound_faults(p)  # [B, S_q]
     lens = p.cache_seqlens.to(torch.int64).clamp(min=0)
     covered = int(lens.max()) if plan is None else plan.max_seqlen
     n_cols = min(-(-covered // block_size), max_blocks)
@@ -98,10 +106,11 @@ def torch_mla_decode(
         first_bad = torch.full((batch,), _NO_KEY, device=device)
     sees_bad_block = first_bad[:, None] < visible
     negative = (p.cache_seqlens < 0)[:, None]  # a broken contract, not "no keys"
-    poisoned = sees_bad_block | (visible > reach) | negative  # [B, S_q]
+    poisoned = sees_bad_block | (visible > reach) | negative | bad_bound  # [B, S_q]
     if p.fault_flag is not None:
         bits = sees_bad_block.any() * FAULT_BLOCK_ID + negative.any() * FAULT_NEGATIVE_LENGTH
         bits = bits + (visible > max_blocks * block_size).any() * FAULT_BEYOND_TABLE
+        bits = bits + bad_bound.any() * FAULT_ROW_BOUND
         if plan is not None:
             bits = bits + (visible > plan.max_seqlen).any() * FAULT_BEYOND_PLAN
         p.fault_flag.bitwise_or_(bits.to(torch.int32))
@@ -111,10 +120,11 @@ def torch_mla_decode(
     chunks = _Chunks(p, torch.where(bad_block, 0, table)[:, :n_cols], limit)
     row_visible = torch.minimum(visible, limit[:, None])  # [B, S_q]
 
+    q = _padded_windows(p) if p.varlen else p.q  # [B, S_q, H, D]
     if device.type == "cpu":
-        out, lse = _attend_fused(p, chunks, row_visible)
+        out, lse = _attend_fused(p, q, chunks, row_visible)
     else:
-        out, lse = _attend_bmm(p, chunks, row_visible)
+        out, lse = _attend_bmm(p, q, chunks, row_visible)
 
     # A row that may see a key it must not read, or saw a non-finite key, is NaN in out and
     # lse: a zero there would read as "no keys" and a merge would silently drop the partial.
@@ -124,7 +134,28 @@ def torch_mla_decode(
     nan_rows = nan_rows[:, :, None] | (~empty & (torch.isnan(lse) | torch.isnan(out).any(-1)))
     out = _fill_rows(_fill_rows(out.to(p.q.dtype), nan_rows, math.nan), empty, 0.0)
     lse = lse.masked_fill(nan_rows, math.nan).masked_fill_(empty, -math.inf)
+    if p.varlen:
+        return _packed_windows(p, out), _packed_windows(p, lse)
     return out, lse
+
+
+def _padded_windows(p: DecodeProblem) -> torch.Tensor:
+    """Packed windows ``q [T, H, D]`` laid out as ``[B, S_q, H, D]`` (``S_q`` the longest),
+    zeros past each window's end (rows that see no key)."""
+    qsl = p.query_start_loc.to(torch.int64)
+    offs = torch.arange(p.q_len, device=p.q.device)[None, :]
+    tokens = qsl[:-1, None] + offs
+    in_window = tokens < qsl[1:, None]
+    padded = p.q[tokens.clamp(max=p.num_tokens - 1)]
+    return padded.masked_fill_(~in_window[:, :, None, None], 0.0)
+
+
+def _packed_windows(p: DecodeProblem, rows: torch.Tensor) -> torch.Tensor:
+    """``[B, S_q, ...]`` per window back to ``[T, ...]`` in q's token order."""
+    qsl = p.query_start_loc.to(torch.int64)
+    tokens = torch.arange(p.num_tokens, device=rows.device)
+    requests = torch.searchsorted(qsl[1:], tokens, right=True)
+    return rows[requests, tokens - qsl[requests]]
 
 
 def cpu_kernel_unavailable() -> str | None:
@@ -179,9 +210,9 @@ class _Chunks:
         self.first_non_finite = torch.full((batch,), _NO_KEY, device=p.q.device)
         # A non-finite value in V makes out NaN in every row that sees it (its weight times
         # it, or a NaN/inf score); one only in the rope part can score -inf and drop out of a
-        # head silently. So the rope columns are probed, and all of them when a verify
-        # window's earlier rows must not see a key only later rows do.
-        self.probe_from = 0 if p.causal and p.q_len > 1 else p.head_dim_v
+        # head silently. So the rope columns are probed, and all of them when some rows
+        # must not see a key others do (a causal window, per-row bounds, ragged windows).
+        self.probe_from = 0 if _rows_differ(p) else p.head_dim_v
 
     def __iter__(self):
         p, batch = self.problem, self.block_ids.shape[0]
@@ -205,6 +236,11 @@ class _Chunks:
             yield t0, pos, kv
 
 
+def _rows_differ(p: DecodeProblem) -> bool:
+    """Whether the query rows of one request may see different keys."""
+    return (p.causal and p.q_len > 1) or p.varlen or p.row_seqlens is not None
+
+
 def _compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
     """The dtype both GEMMs run in: the 16-bit one of q when the cache holds it exactly
     (the same dtype, or fp8), else float32."""
@@ -214,23 +250,21 @@ def _compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
 
 
 def _attend_fused(
-    p: DecodeProblem, chunks: _Chunks, row_visible: torch.Tensor
+    p: DecodeProblem, q: torch.Tensor, chunks: _Chunks, row_visible: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU: one fused attention call per chunk (scores never leave the kernel), the chunks
-    merged through their log-sum-exps. Returns out [B, S_q, H, Dv] and lse (float32)."""
-    batch, q_len, num_heads, head_dim = p.q.shape
+    merged through their log-sum-exps. ``q [B, S_q, H, D]``. Returns out [B, S_q, H, Dv]
+    and lse (float32)."""
+    batch, q_len, num_heads, head_dim = q.shape
     rows = q_len * num_heads
     kv_scale = 1.0 if p.kv_scale is None else p.kv_scale
     compute = _compute_dtype(p.q.dtype, p.kv_cache.dtype)
     scale = p.softmax_scale * kv_scale  # the K dequant scale folds into the softmax scale
     if compute == torch.float32:
         # Scaled up front as the reference does, so that a score that overflows is inf.
-        q, scale = p.q.to(torch.float32) * scale, 1.0
-    else:
-        q = p.q
+        q, scale = q.to(torch.float32) * scale, 1.0
     q = q.reshape(batch, 1, rows, head_dim)
-    # Every row of a request sees the same keys unless this is a causal verify window.
-    per_row = p.causal and q_len > 1
+    per_row = _rows_differ(p)
     out = lse = None
     for t0, pos, kv in chunks:
         hidden = pos[None, None, :] >= row_visible[:, :, None]  # [B, S_q, n]
@@ -247,8 +281,8 @@ def _attend_fused(
         o = o.view(batch, rows, head_dim)[:, :, : p.head_dim_v]
         out, lse = (o.to(torch.float32), m) if out is None else _merge(out, lse, o, m)
     if out is None:  # no column to read
-        out = torch.zeros(batch, rows, p.head_dim_v, device=p.q.device)
-        lse = torch.full((batch, rows), -math.inf, device=p.q.device)
+        out = torch.zeros(batch, rows, p.head_dim_v, device=q.device)
+        lse = torch.full((batch, rows), -math.inf, device=q.device)
     if kv_scale != 1.0:
         out = out * kv_scale
     return out.view(batch, q_len, num_heads, -1), lse.view(batch, q_len, num_heads)
@@ -267,13 +301,14 @@ def _merge(
 
 
 def _attend_bmm(
-    p: DecodeProblem, chunks: _Chunks, row_visible: torch.Tensor
+    p: DecodeProblem, q: torch.Tensor, chunks: _Chunks, row_visible: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPU: two batched GEMMs per chunk with an online softmax (float32 throughout)."""
-    batch, q_len, num_heads, head_dim = p.q.shape
-    rows, dv, device = q_len * num_heads, p.head_dim_v, p.q.device
+    """GPU: two batched GEMMs per chunk with an online softmax (float32 throughout);
+    ``q [B, S_q, H, D]``."""
+    batch, q_len, num_heads, head_dim = q.shape
+    rows, dv, device = q_len * num_heads, p.head_dim_v, q.device
     kv_scale = 1.0 if p.kv_scale is None else p.kv_scale
-    q = (p.q.to(torch.float32) * (p.softmax_scale * kv_scale)).reshape(batch, rows, head_dim)
+    q = (q.to(torch.float32) * (p.softmax_scale * kv_scale)).reshape(batch, rows, head_dim)
     row_visible = row_visible.repeat_interleave(num_heads, dim=1)  # [B, rows]
     running_max = torch.full((batch, rows), -math.inf, device=device)
     denom = torch.zeros(batch, rows, device=device)

@@ -39,6 +39,8 @@ def _capabilities() -> Capabilities:
     target = _target()
     if target is None:
         return Capabilities(platforms=(), q_dtypes=Q_DTYPES, kv_dtypes=_BASE_KV_DTYPES)
+    # Every target takes packed windows and per-row bounds: one kernel source.
+    ragged = {"varlen": True, "row_bounds": True}
     if target.backend == "interpreter":
         # The interpreter converts both fp8 flavours in software.
         fp8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -51,7 +53,9 @@ def _capabilities() -> Capabilities:
         # Triton converts e4m3fn on NVIDIA from sm89 (Ada/Hopper) on.
         fp8 = (torch.float8_e4m3fn,) if int(target.arch.removeprefix("sm")) >= 89 else ()
         platforms = ("cuda",)
-    return Capabilities(platforms=platforms, q_dtypes=Q_DTYPES, kv_dtypes=(*_BASE_KV_DTYPES, *fp8))
+    return Capabilities(
+        platforms=platforms, q_dtypes=Q_DTYPES, kv_dtypes=(*_BASE_KV_DTYPES, *fp8), **ragged
+    )
 
 
 class _LazyCapabilities:
@@ -260,4 +264,7 @@ class TritonMLAImpl(MLADecodeImpl):
             schedule=None if forced else launch.schedule,
             num_slots=self.num_slots,
             fault_flag=problem.fault_flag,
+            query_start_loc=problem.query_start_loc,
+            max_q_len=plan.spec.q_len,
+            row_seqlens=problem.row_seqlens,
         )

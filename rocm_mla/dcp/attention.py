@@ -158,12 +158,12 @@ def dcp_mla_decode(
     With ``replicated_heads`` every rank already holds all heads: no gather, and the combine
     all-reduces.
 
-    Query rows of a verify window (``S_q > 1``) have different local lengths, which a causal
-    kernel call cannot express (its rows' lengths differ by exactly 1 per row). So the window
-    is folded into the batch: row ``i`` of request ``b`` becomes request ``b * S_q + i`` with
-    ``S_q = 1``, ``causal=False`` and its own local length, and the block table row is repeated
-    for it. One kernel call, exact for any lengths; the kernel then reads the shard once per
-    row, which is what ``S_q`` (<= 4 in practice) costs.
+    Query rows of a verify window (``S_q > 1``) have different local lengths: row ``i`` sees
+    the rank's share of global positions up to ``L - S_q + i``, which grows by 0 or 1 per
+    row, not by exactly 1 as a causal window's would. The kernel takes them as they are
+    (``mla_decode(row_seqlens=)``): one call over the window, every row sharing each KV tile
+    of the shard and masking by its own bound, so a window reads the shard as often as one
+    query does.
 
     Args:
         q_local: ``[B, S_q, H_loc, D]`` this rank's query heads (all ``H`` heads when
@@ -182,9 +182,9 @@ def dcp_mla_decode(
         head_dim_v: V width; None means 512 for a backend name, the impl's for an impl.
         softmax_scale, kv_scale: as ``mla_decode``.
         plan: the runner's ``plan_decode`` for this step's kernel call as made here: the
-            gathered heads, the window folded into the batch (``B * S_q`` requests of one
-            query, ``causal=False``) and the rank-local lengths (``DecodeMetadata.plan_kernel``
-            builds it). None: the call plans itself.
+            gathered heads, the rank-local lengths of the requests (their last rows'), and
+            per-row bounds (``row_bounds=True``) under DCP (``dcp.plan_step_decode`` builds
+            it). None: the call plans itself.
         fault_flag: as ``mla_decode``: this rank's kernel call ORs its ``FAULT_*`` bits
             into it (a NaN row then reaches every rank through the combine).
 
@@ -203,16 +203,16 @@ def dcp_mla_decode(
     world, rank = _group_size_rank(group)
     batch, q_len = q_local.shape[:2]
     local = _check_metadata(metadata, batch, q_len, world, rank)
+    if plan is not None and not plan.spec.lse and (world > 1 or return_lse):
+        raise ValueError(
+            "dcp_mla_decode: the plan was made without the LSE (return_lse=False), which "
+            f"combining {world} ranks' partials{' and return_lse' if return_lse else ''} "
+            "need; plan the step with return_lse=True (plan_step_decode does for dcp > 1)"
+        )
 
     q = q_local if replicated_heads else gather_query_heads(q_local, group)
     block_table = metadata.block_table
-    if local is None:
-        lens, causal = metadata.seq_lens, True
-    else:
-        q = q.reshape(batch * q_len, 1, *q.shape[2:])
-        if q_len > 1:
-            block_table = block_table.repeat_interleave(q_len, dim=0)
-        lens, causal = local.reshape(-1).to(torch.int32), False
+    lens, rows = (metadata.seq_lens, None) if local is None else metadata.shard_lengths()
 
     if isinstance(backend, MLADecodeImpl):
         if head_dim_v not in (None, backend.head_dim_v) or softmax_scale not in (
@@ -228,10 +228,10 @@ def dcp_mla_decode(
             kv_cache,
             block_table,
             lens,
-            causal=causal,
             kv_scale=kv_scale,
             plan=plan,
             fault_flag=fault_flag,
+            row_seqlens=rows,
         )
     else:
         out, lse = mla_decode(
@@ -241,13 +241,11 @@ def dcp_mla_decode(
             lens,
             head_dim_v=512 if head_dim_v is None else head_dim_v,
             softmax_scale=softmax_scale,
-            causal=causal,
             kv_scale=kv_scale,
             backend=backend,
             plan=plan,
             fault_flag=fault_flag,
+            row_seqlens=rows,
         )
-    out = out.reshape(batch, q_len, *out.shape[2:])
-    lse = lse.reshape(batch, q_len, lse.shape[2])
     out, lse = combine_partials(out, lse, group, scatter_heads=not replicated_heads)
     return (out, lse) if return_lse else out

@@ -227,6 +227,19 @@ class DecodeMetadata:
         )
         return cls(block_table, seq_lens, local, dcp_world_size, dcp_rank, dcp_interleave)
 
+    def shard_lengths(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lengths of the kernel call over this rank's shard: ``(cache_seqlens [B],
+        row_seqlens [B, S_q] or None)``, int32.
+
+        With DCP each request is as long as its window's last row's local length (the
+        largest) and every row keeps its own bound (``mla_decode(row_seqlens=)``); without,
+        the global lengths and no row bounds (causality says them).
+        """
+        if self.dcp_local_seq_lens is None:
+            return self.seq_lens, None
+        rows = self.dcp_local_seq_lens.to(torch.int32).contiguous()
+        return rows[:, -1].contiguous(), rows
+
 
 def plan_step_decode(
     seq_lens: torch.Tensor,
@@ -248,9 +261,10 @@ def plan_step_decode(
 
     ``seq_lens`` ``[B]`` are the global lengths on the host (the runner's own numbers), so
     planning reads nothing from the device. Without DCP the plan is for ``B`` requests of
-    ``q_len`` causal queries. With DCP it is for the call ``dcp_mla_decode`` makes: the window
-    folded into ``B * q_len`` single-query, non-causal requests whose lengths are this rank's
-    local lengths (``verify_local_seq_lens``), over ``num_heads`` gathered heads.
+    ``q_len`` causal queries. With DCP it is for the call ``dcp_mla_decode`` makes: ``B``
+    windows of ``q_len`` rows over this rank's shard, each row with its own local bound
+    (``verify_local_seq_lens``, ``row_bounds``), each request as long as its last row's, over
+    ``num_heads`` gathered heads.
     """
     if seq_lens.device.type != "cpu":
         raise ValueError(
@@ -267,6 +281,7 @@ def plan_step_decode(
         "backend": backend,
     }
     if dcp_world_size == 1:
-        return plan_decode(seq_lens, q_len=q_len, causal=True, **common)
+        # The layer reads only the output; an AITER release without an LSE may serve it.
+        return plan_decode(seq_lens, q_len=q_len, causal=True, return_lse=False, **common)
     local = verify_local_seq_lens(seq_lens, q_len, dcp_world_size, dcp_rank, dcp_interleave)
-    return plan_decode(local.reshape(-1), q_len=1, causal=False, **common)
+    return plan_decode(local[:, -1], q_len=q_len, causal=True, row_bounds=True, **common)

@@ -157,6 +157,7 @@ class DecodeGraphs:
             device=dev,
             graph_max_seqlen=self.max_blocks * self.block_size,
             backend=self.backend,
+            return_lse=False,
         )
         meta = ForwardMetadata(
             positions=torch.zeros(size, dtype=torch.int64, device=dev),

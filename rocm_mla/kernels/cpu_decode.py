@@ -441,7 +441,7 @@ def decode(
     ``fault_flag`` an int32 ``[1]`` CPU tensor. ``_chunk_keys`` (tests and benchmarks):
     keys per chunk instead of the rule above (rounded up to 8), 0 to cut no row.
     """
-    out, lse, _ = _decode(
+    out, lse, _ = decode_with_chunk(
         q,
         kv_cache,
         block_table,
@@ -457,7 +457,7 @@ def decode(
     return out, lse
 
 
-def _decode(
+def decode_with_chunk(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,

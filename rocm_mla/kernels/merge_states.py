@@ -175,10 +175,11 @@ def _merge_pieces_kernel(
     part_lse_ptr,  # [P, GROUP_ROWS] fp32
     unit_parts_ptr,  # [B * G, 2] int32: (first partial, count) per unit (schedule)
     split_units_ptr,  # [K] int32: the cut units, -1 past the last
-    out_ptr,  # [B, rows, Dv]
-    out_lse_ptr,  # [B, rows] fp32
+    query_start_ptr,  # [B + 1] int32 window starts (read only with VARLEN)
+    out_ptr,  # [B, rows, Dv] ([T, H, Dv] with VARLEN)
+    out_lse_ptr,  # [B, rows] fp32 ([T, H] with VARLEN)
     num_groups,
-    num_rows,  # S_q x H
+    num_rows,  # S_q x H (with VARLEN: H, a token's rows)
     row_blocks,  # programs per cut unit
     stride_po_p,
     stride_po_r,
@@ -192,9 +193,12 @@ def _merge_pieces_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """Stage 2 of a balanced schedule: the rows of every unit (request, row group) cut into
-    several segments merged from its partials; a unit in one segment wrote its rows itself."""
+    several segments merged from its partials; a unit in one segment wrote its rows itself.
+    With VARLEN the windows are packed: request ``b``'s rows start at its first token's and
+    end with its window."""
     pid = tl.program_id(0)
     unit = tl.load(split_units_ptr + pid // row_blocks)
     if unit >= 0:
@@ -203,12 +207,23 @@ def _merge_pieces_kernel(
         b = (unit // num_groups).to(tl.int64)
         in_group = (pid % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
         row = (unit % num_groups) * GROUP_ROWS + in_group
-        r_mask = (in_group < GROUP_ROWS) & (row < num_rows)
+        if VARLEN:
+            token0 = tl.load(query_start_ptr + b)
+            window_rows = (tl.load(query_start_ptr + b + 1) - token0) * num_rows
+            r_mask = (in_group < GROUP_ROWS) & (row < window_rows)
+            # One token of out / out_lse holds num_rows (H) rows.
+            base = token0.to(tl.int64) * num_rows
+            out_rows = out_ptr + (base + row) * stride_out_r
+            lse_rows = out_lse_ptr + base + row
+        else:
+            r_mask = (in_group < GROUP_ROWS) & (row < num_rows)
+            out_rows = out_ptr + b * stride_out_b + row.to(tl.int64) * stride_out_r
+            lse_rows = out_lse_ptr + b * stride_lse_b + row
         _merge_rows(
             part_lse_ptr + first * stride_pl_p + in_group,
             part_out_ptr + first * stride_po_p + in_group.to(tl.int64) * stride_po_r,
-            out_ptr + b * stride_out_b + row.to(tl.int64) * stride_out_r,
-            out_lse_ptr + b * stride_lse_b + row,
+            out_rows,
+            lse_rows,
             count,
             r_mask,
             stride_pl_p,
@@ -312,15 +327,24 @@ def launch_merge_pieces(
     *,
     num_groups: int,
     target: TritonTarget | None = None,
+    query_start_loc: torch.Tensor | None = None,
 ) -> None:
     """Merge a balanced schedule's partials (``rocm_mla.kernels.schedule``) into ``out
     [B, rows, Dv]`` / ``out_lse [B, rows]``: ``part_out [P, R_g, Dv]`` / ``part_lse [P, R_g]``
     hold ``R_g`` (one row group's) rows per partial; every unit listed in ``split_units``
     merges its ``unit_parts`` range. The grid is fixed by the tables' capacity (graph-safe);
-    a program of an unused entry (-1) does nothing."""
+    a program of an unused entry (-1) does nothing. With ``query_start_loc`` (``[B + 1]``)
+    the windows are packed: ``out [T, H, Dv]`` and ``out_lse [T, H]``, contiguous."""
     group_rows, head_dim_v = part_out.shape[1], part_out.shape[2]
     if part_out.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("launch_merge_pieces: part_out and out must have stride 1 in Dv")
+    varlen = query_start_loc is not None
+    if varlen:
+        if not (out.is_contiguous() and out_lse.is_contiguous()):
+            raise ValueError("launch_merge_pieces: packed out and out_lse must be contiguous")
+        # A token's H rows, one after another: viewed as one request of T x H rows.
+        out = out.view(1, -1, head_dim_v)
+        out_lse, heads = out_lse.view(1, -1), out_lse.shape[1]
     target = triton_target() if target is None else target
     # The partials a unit has are known on the device only: tiles for the most a GPU
     # schedule cuts one into (the loops take more).
@@ -331,10 +355,12 @@ def launch_merge_pieces(
         part_lse,
         unit_parts,
         split_units,
+        # Without packed windows any pointer will do: it is never read.
+        query_start_loc if varlen else split_units,
         out,
         out_lse,
         num_groups,
-        out.shape[1],
+        heads if varlen else out.shape[1],
         row_blocks,
         part_out.stride(0),
         part_out.stride(1),
@@ -344,6 +370,7 @@ def launch_merge_pieces(
         out_lse.stride(0),
         GROUP_ROWS=group_rows,
         HEAD_DIM_V=head_dim_v,
+        VARLEN=varlen,
         **blocks,
         **merge_launch_options(target),
     )

@@ -8,8 +8,10 @@ before it):
 - ``mla_decode_args.py``: what stage 1 is called with (tuned config, row groups, dot dtypes,
   q, partials, the launch's arguments);
 - ``occupancy.py``: ``programs_per_cu``, the only code touching Triton's compiler internals;
-- ``plan.py``: the config and resident slots of a decode shape (``plan_launch``);
-- ``schedule.py``: the balanced schedule (which slot walks which keys), host and device;
+- ``schedule/``: the balanced schedule (which slot walks which keys): its cost model, the
+  host and device planners, views;
+- ``plan.py``: the config and resident slots of a decode shape (``plan_launch``), and the
+  old uniform split count (``choose_num_kv_splits``, charged with the schedule's cost model);
 - ``mla_decode.py`` (this file): ``mla_decode``, and the public names re-exported.
 
 ``tests/test_layering.py`` (``KERNEL_ORDER``) checks the order.
@@ -25,11 +27,11 @@ import triton
 from rocm_mla.kernels.merge_states import launch_merge_pieces
 from rocm_mla.kernels.mla_decode_args import (
     _dot_types,
-    _group_config,
-    _partials,
-    _stage1_arguments,
-    _stage1_q,
     default_config,
+    group_config,
+    partial_buffers,
+    stage1_arguments,
+    stage1_q,
     table_entry,
     target_key,
 )
@@ -73,6 +75,9 @@ def mla_decode(
     schedule: ScheduleTables | None = None,
     num_slots: int | None = None,
     fault_flag: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+    row_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Balanced split-KV MLA decode over shape-checked inputs (``rocm_mla.inputs.prepare_decode``).
 
@@ -99,15 +104,22 @@ def mla_decode(
             takes ``plan_launch``'s (compute units x the compiled kernel's programs per CU).
             The call never transfers from the device to the host.
         fault_flag: int32 ``[1]`` on q's device, or None: the kernel ORs
-            ``rocm_mla.inputs.FAULT_BLOCK_ID`` / ``FAULT_BEYOND_TABLE`` into it on the device
-            (no sync) when a row may see such a key; it never clears it.
+            ``rocm_mla.inputs.FAULT_BLOCK_ID`` / ``FAULT_BEYOND_TABLE`` (and with
+            ``row_seqlens`` ``FAULT_ROW_BOUND``) into it on the device (no sync) when a row
+            may see such a key; it never clears it.
+        query_start_loc: ``[B + 1]`` int32, or None: windows of different lengths packed,
+            ``q [T, H, D]``, the longest ``max_q_len`` rows (as ``rocm_mla.mla_decode``).
+        row_seqlens: ``[T]`` int32 contiguous, or None: each query row's KV bound.
 
     Returns:
-        ``(out [B, S_q, H, Dv] in q's dtype, lse [B, S_q, H] float32)``; rows with no visible
-        key get out 0 and lse -inf; rows that see a NaN/infinite score or a key that cannot
-        be read get out and lse NaN.
+        ``(out [B, S_q, H, Dv] in q's dtype, lse [B, S_q, H] float32)`` (``[T, H, Dv]`` and
+        ``[T, H]`` for packed windows); rows with no visible key get out 0 and lse -inf;
+        rows that see a NaN/infinite score or a key that cannot be read get out and lse NaN.
     """
-    batch, q_len, num_heads, _ = q.shape
+    if query_start_loc is None:
+        batch, q_len, num_heads, _ = q.shape
+    else:
+        batch, q_len, num_heads = query_start_loc.shape[0] - 1, max_q_len, q.shape[1]
     if kv_cache.shape[0] < 1:
         # The kernel redirects bad block ids to the last block: there must be one.
         raise ValueError(
@@ -140,7 +152,7 @@ def mla_decode(
         )
     if config is None:
         config = default_config(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_cache.dtype)
-    config = _group_config(config, q_len * num_heads)
+    config = group_config(config, q_len * num_heads)
     if schedule is None and num_slots is None:
         # The planner's config, which may differ: it is one the installed Triton compiles.
         config, num_slots = plan_launch(
@@ -150,7 +162,7 @@ def mla_decode(
             target=target,
             config=config,
             q_dtype=q.dtype,
-            head_dim=q.shape[3],
+            head_dim=q.shape[-1],
             head_dim_v=head_dim_v,
             page_size=kv_cache.shape[1],
             cache_bytes=kv_cache.numel() * kv_cache.element_size(),
@@ -177,17 +189,18 @@ def mla_decode(
             f"{batch} requests x {num_groups} groups of {config.block_h} rows on {q.device}"
         )
 
-    out = torch.empty(batch, q_len, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
+    rows_shape = (batch, q_len, num_heads) if query_start_loc is None else q.shape[:2]
+    out = torch.empty(*rows_shape, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(rows_shape, dtype=torch.float32, device=q.device)
     partials = (
         partial_capacity(schedule.num_slots)
         if schedule.num_partials is None
         else schedule.num_partials
     )
-    part_out, part_lse = _partials(max(partials, 1), config.block_h, head_dim_v, q.device)
+    part_out, part_lse = partial_buffers(max(partials, 1), config.block_h, head_dim_v, q.device)
     dot_types = _dot_types(q.dtype, kv_cache.dtype, target, config)
-    q_in, q_scale = _stage1_q(q, kv_cache.dtype, dot_types, target)
-    grid, args, kwargs = _stage1_arguments(
+    q_in, q_scale = stage1_q(q, kv_cache.dtype, dot_types, target)
+    grid, args, kwargs = stage1_arguments(
         q_in,
         q_scale,
         kv_cache,
@@ -208,6 +221,9 @@ def mla_decode(
         config=config,
         target=target,
         dot_types=dot_types,
+        query_start_loc=query_start_loc,
+        max_q_len=max_q_len,
+        row_seqlens=row_seqlens,
     )
     # A host-made schedule knows its programs: a small step launches that few.
     if schedule.num_programs is not None:
@@ -219,9 +235,10 @@ def mla_decode(
             part_lse,
             schedule.unit_parts,
             schedule.split_units,
-            out.view(batch, rows, head_dim_v),
-            lse.view(batch, rows),
+            out.view(batch, rows, head_dim_v) if query_start_loc is None else out,
+            lse.view(batch, rows) if query_start_loc is None else lse,
             num_groups=num_groups,
             target=target,
+            query_start_loc=query_start_loc,
         )
     return out, lse

@@ -1,6 +1,6 @@
 """What stage 1 is called with: the tuned config for a shape, its row grouping, the dtype
 constexprs of the dots, q as stage 1 reads it, the split partials, and the launch's grid,
-arguments and constexprs (``_stage1_arguments``, shared by ``mla_decode`` and the occupancy
+arguments and constexprs (``stage1_arguments``, shared by ``mla_decode`` and the occupancy
 compile). Host code only; the kernel is in ``mla_decode_kernel``.
 """
 
@@ -57,7 +57,7 @@ def default_config(
     return table_entry(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype).config
 
 
-def _group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
+def group_config(config: LaunchConfig, rows: int) -> LaunchConfig:
     """``config`` with BLOCK_H fitted to a problem of ``rows`` (S_q x H) query rows.
 
     Fewer rows than BLOCK_H: BLOCK_H shrinks to the next power of two (at least 16, the
@@ -175,25 +175,28 @@ def _dot_types(q_dtype, kv_dtype, target: TritonTarget, config: LaunchConfig) ->
     }
 
 
-def _stage1_q(
+def stage1_q(
     q: torch.Tensor, kv_dtype: torch.dtype, dot_types: dict, target: TritonTarget
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(the q stage 1 reads, its per-row scales or None)``: with fp8 ``Q K^T`` q quantized
-    per row by ``quantize_q`` (fp8 values in fp32 under the interpreter), else q itself."""
+    per row by ``quantize_q`` (fp8 values in fp32 under the interpreter), else q itself.
+    Packed windows (``q [T, H, D]``) come back in that shape."""
     if not dot_types["QK_FP8"]:
         return q, None
     interpreting = target.backend == "interpreter"
-    return quantize_q(
-        q,
+    packed = q.dim() == 3
+    quantized, scale = quantize_q(
+        q.unsqueeze(1) if packed else q,
         out_dtype=torch.float32 if interpreting else kv_dtype,
         out_tl_dtype=dot_types["K_DTYPE"],
         fp8_dtype=dot_types["FP8_DTYPE"],
         emulate_min_exp=dot_types["FP8_EMULATE_MIN_EXP"],
         fp8_max=dot_types["FP8_MAX"],
     )
+    return (quantized.squeeze(1), scale) if packed else (quantized, scale)
 
 
-def _partials(
+def partial_buffers(
     capacity: int, group_rows: int, head_dim_v: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1's fp32 partials ``(out [capacity, group_rows, Dv], lse [capacity, group_rows])``
@@ -205,17 +208,18 @@ def _partials(
     )
 
 
-def no_op_guard(target: TritonTarget, *, causal: bool, q_len: int) -> str:
+def no_op_guard(target: TritonTarget, *, causal: bool, q_len: int, row_bounds: bool = False) -> str:
     """How stage 1 skips a program with nothing to do (``_mla_decode_stage1``), in the form
     that compiles without spills (bench static): ``"branch"`` on NVIDIA and the
-    interpreter, on AMD ``"loop"`` (a loop of at most one trip) at verify windows and
-    ``"mask"`` (the walk with every row masked off) elsewhere."""
+    interpreter, on AMD ``"loop"`` (a loop of at most one trip) at verify windows (causal,
+    or rows with their own bounds) and ``"mask"`` (the walk with every row masked off)
+    elsewhere."""
     if target.backend != "hip":
         return "branch"
-    return "loop" if causal and q_len > 1 else "mask"
+    return "loop" if (causal and q_len > 1) or row_bounds else "mask"
 
 
-def _stage1_arguments(
+def stage1_arguments(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
     kv_cache: torch.Tensor,
@@ -237,14 +241,30 @@ def _stage1_arguments(
     config: LaunchConfig,
     target: TritonTarget,
     dot_types: dict,
+    query_start_loc: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+    row_seqlens: torch.Tensor | None = None,
 ) -> tuple[tuple[int], tuple, dict]:
     """``(grid, args, kwargs)`` of the stage-1 launch: what ``mla_decode`` runs and what
     ``programs_per_cu`` compiles (on meta tensors) to read the kernel's resources. ``q`` and
-    ``q_scale`` as ``_stage1_q`` gives them; ``dot_types`` from the caller's q dtype.
-    ``launch_order`` / ``segments``: a schedule's tables (``schedule.py``), one program per
+    ``q_scale`` as ``stage1_q`` gives them; ``dot_types`` from the caller's q dtype.
+    ``launch_order`` / ``segments``: a schedule's tables (``schedule``), one program per
     launch position; ``out`` / ``lse`` the final ``[B, S_q, H(, Dv)]`` rows, ``part_out`` /
-    ``part_lse`` the ``_partials`` of its cut units."""
-    _, q_len, num_heads, head_dim = q.shape
+    ``part_lse`` the ``partial_buffers`` of its cut units. With ``query_start_loc`` (``[B + 1]``)
+    the windows are packed: ``q [T, H, D]``, ``out [T, H, Dv]``, ``lse [T, H]``, and
+    ``max_q_len`` the longest; ``row_seqlens`` (``[T]``): every query row's KV bound."""
+    varlen = query_start_loc is not None
+    if varlen:
+        # A token's rows sit where a uniform window's position would: stride_q_i / the
+        # output's position stride step one token, and stride_q_b is unused.
+        q_len = max_q_len
+        _, num_heads, head_dim = q.shape
+        q_strides = (q.stride(0), q.stride(0), q.stride(1))
+        out = out.unsqueeze(1)
+        lse = lse.unsqueeze(1)
+    else:
+        _, q_len, num_heads, head_dim = q.shape
+        q_strides = (q.stride(0), q.stride(1), q.stride(2))
     rope_dim = head_dim - head_dim_v
     dequant = 1.0 if kv_scale is None else float(kv_scale)
     padded_dv = max(16, triton.next_power_of_2(head_dim_v))
@@ -262,11 +282,13 @@ def _stage1_arguments(
         block_w = config.block_n
     # Stage 1 addresses an output row (query i, head h) as row i x H + h, and a partial's
     # rows (a slot for each of BLOCK_H) and values with unit strides: the buffers are ours.
+    # Packed windows step a token with the first stride: it must be H rows.
     for name, buffer in (("out", out), ("lse", lse)):
-        if buffer.stride(1) != num_heads * buffer.stride(2):
+        token_stride = buffer.stride(0) if varlen else buffer.stride(1)
+        if token_stride != num_heads * buffer.stride(2):
             raise RuntimeError(
-                f"_stage1_arguments: {name} must hold S_q and H adjacent (stride(1) == H x "
-                f"stride(2)), got strides {buffer.stride()}"
+                f"stage1_arguments: {name} must hold S_q and H adjacent (a token's stride "
+                f"== H x stride(2)), got strides {buffer.stride()}"
             )
     if (
         part_out.dim() != 3
@@ -276,7 +298,7 @@ def _stage1_arguments(
         or part_lse.stride(1) != 1
     ):
         raise RuntimeError(
-            f"_stage1_arguments: partials must be [P, {config.block_h}, Dv] and [P, "
+            f"stage1_arguments: partials must be [P, {config.block_h}, Dv] and [P, "
             f"{config.block_h}] with unit strides in their last dims, got "
             f"{tuple(part_out.shape)} {part_out.stride()} and {tuple(part_lse.shape)} "
             f"{part_lse.stride()}"
@@ -288,6 +310,9 @@ def _stage1_arguments(
         kv_cache,
         block_table,
         cache_seqlens,
+        # Without packed windows or row bounds any pointer will do: they are never read.
+        cache_seqlens if query_start_loc is None else query_start_loc,
+        cache_seqlens if row_seqlens is None else row_seqlens,
         launch_order,
         segments,
         out,
@@ -301,9 +326,7 @@ def _stage1_arguments(
         num_groups,
         kv_cache.shape[0],
         block_table.shape[1],
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
+        *q_strides,
         kv_cache.stride(0),
         kv_cache.stride(1),
         block_table.stride(0),
@@ -331,7 +354,11 @@ def _stage1_arguments(
         NUM_XCDS=config.num_xcds,
         HAS_FAULT_FLAG=fault_flag is not None,
         PREFETCH_IDS=config.prefetch_ids,
-        NO_OP_GUARD=no_op_guard(target, causal=bool(causal), q_len=q_len),
+        VARLEN=varlen,
+        ROW_BOUNDS=row_seqlens is not None,
+        NO_OP_GUARD=no_op_guard(
+            target, causal=bool(causal), q_len=q_len, row_bounds=row_seqlens is not None
+        ),
         # FP8_MAX is quantize_q's.
         **{k: v for k, v in dot_types.items() if k != "FP8_MAX"},
         **config.launch_options(target),

@@ -7,7 +7,7 @@ folds them into the head axis: row ``r = i * H + h`` of a request is query posit
 head ``h``, and a program serves ``BLOCK_H`` such rows at once (64 on Hopper, the M of one
 wgmma), so each KV tile is loaded once for all of them.
 
-Stage 1: one program per segment of the balanced schedule (``schedule.py``): a request, a
+Stage 1: one program per segment of the balanced schedule (``schedule``): a request, a
 row group and a key range. It walks that slice of the request's keys in ``[BLOCK_N, D]``
 tiles gathered through the block table. Each tile is loaded once and serves both ``Q K^T``
 (all ``D`` columns) and ``P V`` (its first ``Dv`` columns); with ``dv_chunks=2`` the V
@@ -42,12 +42,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rocm_mla.inputs import FAULT_BEYOND_TABLE, FAULT_BLOCK_ID, FAULT_NEGATIVE_LENGTH
+from rocm_mla.inputs import (
+    FAULT_BEYOND_TABLE,
+    FAULT_BLOCK_ID,
+    FAULT_NEGATIVE_LENGTH,
+    FAULT_ROW_BOUND,
+)
 from rocm_mla.kernels.quantize_q import to_fp8
 
 _FAULT_BLOCK_ID = tl.constexpr(FAULT_BLOCK_ID)
 _FAULT_BEYOND_TABLE = tl.constexpr(FAULT_BEYOND_TABLE)
 _FAULT_NEGATIVE_LENGTH = tl.constexpr(FAULT_NEGATIVE_LENGTH)
+_FAULT_ROW_BOUND = tl.constexpr(FAULT_ROW_BOUND)
 #: Block-table columns stage 1 checks per step of its bad-id scan.
 _BLOCK_C = tl.constexpr(256)
 
@@ -403,6 +409,8 @@ def _decode_segment(
     kv_ptr,
     block_table_ptr,
     seqlens_ptr,
+    query_start_ptr,
+    row_seqlens_ptr,
     out_ptr,
     lse_ptr,
     part_out_ptr,
@@ -451,6 +459,8 @@ def _decode_segment(
     NUM_XCDS: tl.constexpr,
     HAS_FAULT_FLAG: tl.constexpr,
     PREFETCH_IDS: tl.constexpr,
+    VARLEN: tl.constexpr,
+    ROW_BOUNDS: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """One segment of the schedule (``_mla_decode_stage1``): walk the request's keys
@@ -463,21 +473,35 @@ def _decode_segment(
     part = tl.load(segments_ptr + segment * 4 + 3)  # its partial, or -1: the unit's only one
     seqlen = tl.load(seqlens_ptr + b)
     rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
+    # The request's window: its first token in q (and in out, lse, the row bounds) and its
+    # length. Windows of different lengths (VARLEN) are packed; Q_LEN is the longest.
+    if VARLEN:
+        token0 = tl.load(query_start_ptr + b)
+        window = tl.load(query_start_ptr + b + 1) - token0
+    else:
+        token0 = b * Q_LEN
+        window = Q_LEN
     # A masked-off program (``live`` False) has no valid row and a length of 0: it reads
     # no key, sets no fault and stores nothing.
     if MASKED:
         seqlen = tl.where(live, seqlen, 0)
-        row_limit = tl.where(live, Q_LEN * NUM_HEADS, 0)
+        row_limit = tl.where(live, window * NUM_HEADS, 0)
     else:
-        row_limit = Q_LEN * NUM_HEADS
+        row_limit = window * NUM_HEADS
     row_valid = rows < row_limit
     # Index x stride products are int64: a cache view or a batch of q can pass 2^31 elements.
     qpos = (rows // NUM_HEADS).to(tl.int64)
     head = (rows % NUM_HEADS).to(tl.int64)
-    # Causal: query i of S_q sees keys [0, L - S_q + i]. A length <= 0 sees nothing; testing
-    # it first keeps L - S_q + i from wrapping at L near -2^31.
-    if CAUSAL:
-        visible = tl.where(seqlen > 0, seqlen - (Q_LEN - 1) + (rows // NUM_HEADS), 0)
+    if ROW_BOUNDS:
+        # Each row's own bound (decode context parallelism: a causal window's rows see
+        # counts of this rank's keys that differ by 0 or 1 per row, not by exactly 1). A
+        # bound outside [0, L] is a broken contract: the row is poisoned below.
+        visible = tl.load(row_seqlens_ptr + token0 + qpos, mask=row_valid, other=0)
+        bad_bound = row_valid & ((visible < 0) | (visible > seqlen))
+    elif CAUSAL:
+        # Query i of a window of S_q sees keys [0, L - S_q + i]. A length <= 0 sees nothing;
+        # testing it first keeps L - S_q + i from wrapping at L near -2^31.
+        visible = tl.where(seqlen > 0, seqlen - (window - 1) + (rows // NUM_HEADS), 0)
     else:
         visible = tl.zeros([BLOCK_H], tl.int32) + seqlen
     visible = tl.where(row_valid & (visible > 0), visible, 0)
@@ -500,7 +524,10 @@ def _decode_segment(
     dv_mask = offs_dv < HEAD_DIM_V
     dv_mask_hi = BLOCK_DV + offs_dv < HEAD_DIM_V
     dr_mask = offs_dr < ROPE_DIM
-    q_rows = q_ptr + b.to(tl.int64) * stride_q_b + qpos * stride_q_i + head * stride_q_h
+    if VARLEN:
+        q_rows = q_ptr + (token0.to(tl.int64) + qpos) * stride_q_i + head * stride_q_h
+    else:
+        q_rows = q_ptr + b.to(tl.int64) * stride_q_b + qpos * stride_q_i + head * stride_q_h
     q_nope = tl.load(
         q_rows[:, None] + offs_dv[None, :], mask=row_valid[:, None] & dv_mask[None, :], other=0.0
     )
@@ -520,7 +547,7 @@ def _decode_segment(
         # scale. Loaded, not computed here, it is an operand the dots read from shared
         # memory on sm90.
         q_scale = tl.load(
-            q_scale_ptr + b.to(tl.int64) * (Q_LEN * NUM_HEADS) + rows, mask=row_valid, other=1.0
+            q_scale_ptr + token0.to(tl.int64) * NUM_HEADS + rows, mask=row_valid, other=1.0
         )
         row_scale = qk_scale * q_scale
     else:
@@ -566,6 +593,8 @@ def _decode_segment(
     first_bad = tl.min(first_bad, axis=0)
     # A negative length is a broken contract, not "no keys": every row of the request is NaN.
     unreadable = (first_bad < visible) | beyond_table | (seqlen < 0)
+    if ROW_BOUNDS:
+        unreadable = unreadable | bad_bound
     # Their denominators start as NaN (a NaN denom stays NaN through the walk): nothing
     # of this scan stays live through the loop.
     denom = tl.where(unreadable, float("nan"), denom)
@@ -574,6 +603,9 @@ def _decode_segment(
         beyond = tl.max(beyond_table.to(tl.int32), axis=0) > 0
         faults = faults | tl.where(beyond, _FAULT_BEYOND_TABLE, 0)
         faults = faults | tl.where(seqlen < 0, _FAULT_NEGATIVE_LENGTH, 0)
+        if ROW_BOUNDS:
+            misbound = tl.max(bad_bound.to(tl.int32), axis=0) > 0
+            faults = faults | tl.where(misbound, _FAULT_ROW_BOUND, 0)
         tl.atomic_or(fault_ptr, faults, mask=faults != 0)
 
     # Rows of one verify window see different keys: a key only later rows see has weight 0
@@ -582,11 +614,16 @@ def _decode_segment(
     # not others, at most S_q - 1 of them. The walk takes the keys below it, which every
     # row sees, with one limit for all rows and V straight from the loaded tile into P.V;
     # the window's keys follow in tail tiles of BLOCK_W keys (see below).
-    WINDOW: tl.constexpr = CAUSAL and Q_LEN > 1
+    # With per-row bounds or windows of different lengths, the keys every row of the group
+    # sees end at its rows' smallest bound (a DCP window's differ by at most S_q - 1).
+    WINDOW: tl.constexpr = (CAUSAL and Q_LEN > 1) or ROW_BOUNDS
     if WINDOW:
-        # Compared first, so that L - S_q + 1 cannot wrap at L near -2^31.
-        window = tl.where(seqlen > Q_LEN - 1, seqlen - (Q_LEN - 1), 0)
-        shared_end = tl.minimum(tl.maximum(window, start), end)
+        if ROW_BOUNDS or VARLEN:
+            shared = tl.min(tl.where(row_valid, visible, 2**31 - 1), axis=0)
+        else:
+            # Compared first, so that L - S_q + 1 cannot wrap at L near -2^31.
+            shared = tl.where(seqlen > Q_LEN - 1, seqlen - (Q_LEN - 1), 0)
+        shared_end = tl.minimum(tl.maximum(shared, start), end)
     else:
         shared_end = end
     # PREFETCH_IDS: the block ids of each tile are loaded one trip ahead (loop-carried), so
@@ -742,9 +779,12 @@ def _decode_segment(
             not MASKED,
         )
     else:
+        # Out and lse hold a window's rows (position, head) adjacent: a packed window's first
+        # row is its first token's.
+        first_row = token0.to(tl.int64) if VARLEN else b.to(tl.int64)
         _store_rows(
-            out_ptr + b.to(tl.int64) * stride_out_b + rows.to(tl.int64) * stride_out_h,
-            lse_ptr + b.to(tl.int64) * stride_lse_b + rows.to(tl.int64) * stride_lse_h,
+            out_ptr + first_row * stride_out_b + rows.to(tl.int64) * stride_out_h,
+            lse_ptr + first_row * stride_lse_b + rows.to(tl.int64) * stride_lse_h,
             out,
             out_hi,
             lse,
@@ -752,21 +792,23 @@ def _decode_segment(
             HEAD_DIM_V,
             BLOCK_DV,
             DV_CHUNKS,
-            Q_LEN * NUM_HEADS % BLOCK_H == 0 and not MASKED,
+            Q_LEN * NUM_HEADS % BLOCK_H == 0 and not MASKED and not VARLEN,
         )
 
 
 @triton.jit
 def _mla_decode_stage1(
-    q_ptr,  # [B, S_q, H, D]; with QK_FP8 quantized per row (``quantize_q``)
-    q_scale_ptr,  # [B, S_q, H] fp32 row scales of q (read only with QK_FP8)
+    q_ptr,  # [B, S_q, H, D] ([T, H, D] with VARLEN); with QK_FP8 quantized per row
+    q_scale_ptr,  # [T, H] fp32 row scales of q (read only with QK_FP8)
     kv_ptr,  # [num_blocks, PAGE_SIZE, D], unit stride in D
     block_table_ptr,  # [B, max_blocks] int32
     seqlens_ptr,  # [B] int32
+    query_start_ptr,  # [B + 1] int32 window starts (read only with VARLEN)
+    row_seqlens_ptr,  # [T] int32 each query row's KV bound (read only with ROW_BOUNDS)
     launch_order_ptr,  # [programs] int32: the segment program p walks, or -1 (none)
     segments_ptr,  # [*, 4] int32: (unit = b * num_groups + group, first key, end key, partial)
-    out_ptr,  # [B, S_q, H, Dv] final rows, q's dtype
-    lse_ptr,  # [B, S_q, H] fp32
+    out_ptr,  # [B, S_q, H, Dv] final rows, q's dtype ([T, H, Dv] with VARLEN)
+    lse_ptr,  # [B, S_q, H] fp32 ([T, H] with VARLEN)
     part_out_ptr,  # [P, BLOCK_H, Dv] fp32 partials of units cut into several segments
     part_lse_ptr,  # [P, BLOCK_H] fp32
     fault_ptr,  # [1] int32, FAULT_* bits ORed in (read only with HAS_FAULT_FLAG)
@@ -814,12 +856,14 @@ def _mla_decode_stage1(
     NUM_XCDS: tl.constexpr,
     HAS_FAULT_FLAG: tl.constexpr,
     PREFETCH_IDS: tl.constexpr,
+    VARLEN: tl.constexpr,
+    ROW_BOUNDS: tl.constexpr,
     NO_OP_GUARD: tl.constexpr,
 ):
-    """Stage 1: one program per segment of the balanced schedule (``schedule.py``), in the
+    """Stage 1: one program per segment of the balanced schedule (``schedule``), in the
     launch order its planner chose: the hardware hands out programs in id order to whichever
     slot frees first (on AMD, within the XCD of ``pid % NUM_XCDS``), and that order makes
-    it run the planned packing (``schedule.py``: "Launch order"). One segment per program,
+    it run the planned packing (``schedule``: "Launch order"). One segment per program,
     not a loop over a slot's list: a persistent loop let LLVM hoist the layouts' thread-id
     index math out of it, live through the walk (sm90: up to 972 B of spills at 255
     registers; gfx942: 20-46 more VGPRs), which one straight walk never has."""
@@ -844,6 +888,8 @@ def _mla_decode_stage1(
                 kv_ptr,
                 block_table_ptr,
                 seqlens_ptr,
+                query_start_ptr,
+                row_seqlens_ptr,
                 out_ptr,
                 lse_ptr,
                 part_out_ptr,
@@ -892,6 +938,8 @@ def _mla_decode_stage1(
                 NUM_XCDS,
                 HAS_FAULT_FLAG,
                 PREFETCH_IDS,
+                VARLEN,
+                ROW_BOUNDS,
                 False,
             )
     else:
@@ -909,6 +957,8 @@ def _mla_decode_stage1(
                 kv_ptr,
                 block_table_ptr,
                 seqlens_ptr,
+                query_start_ptr,
+                row_seqlens_ptr,
                 out_ptr,
                 lse_ptr,
                 part_out_ptr,
@@ -957,5 +1007,7 @@ def _mla_decode_stage1(
                 NUM_XCDS,
                 HAS_FAULT_FLAG,
                 PREFETCH_IDS,
+                VARLEN,
+                ROW_BOUNDS,
                 NO_OP_GUARD == "mask",
             )

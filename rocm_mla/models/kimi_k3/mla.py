@@ -187,6 +187,7 @@ class MultiHeadLatentAttention(nn.Module):
                 kv_scale=kv_scale,
                 plan=plan,
                 fault_flag=fault_flag,
+                return_lse=False,
             )
         return torch.einsum("bshr,hrv->bshv", out.to(q.dtype), self.w_uv)
 

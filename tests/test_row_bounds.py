@@ -1,0 +1,260 @@
+"""Per-row KV bounds and windows of different lengths, against an fp64 reference (issue 40).
+
+Decode context parallelism (DCP) shards a request's keys over ``N`` ranks in runs of ``I``;
+row ``i`` of a causal verify window sees global positions up to ``L - S_q + i``, so on each
+rank it sees a count of local keys that is not the last row's minus an offset
+(``verify_local_seq_lens``). One decode call takes those bounds (``row_seqlens``), every row
+of a window sharing each KV tile load. Here each rank's shard is built from a global paged
+cache exactly as the runner's slot mapping lays it out, every rank decodes with its bounds,
+and the ranks' partials merged by their LSEs must equal the global fp64 reference. Lengths
+shorter than ``N * I`` leave some ranks with no key for some rows (out 0, lse -inf there).
+
+Packed windows of different lengths (``query_start_loc``, as vLLM hands n-gram / MTP / DSpark
+drafts) are checked window by window against the same reference, with and without bounds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rocm_mla
+from rocm_mla.dcp import verify_local_seq_lens
+from tests.reference import (
+    assert_same_attention,
+    dcp_shard,
+    dense_mla_decode,
+    dense_varlen_mla_decode,
+    make_paged_problem,
+)
+
+BLOCK = 64  # the shards' page size (tests.reference.dcp_shard)
+HEADS = 4
+#: fp32 on the CPU against fp64: the torch backend's fused attention, the C++ kernel and the
+#: Triton interpreter.
+TOL = 2e-5
+BACKENDS = ["torch", "triton"]
+WORLDS = (2, 4, 8)
+INTERLEAVES = (1, 16, 64)
+
+
+@pytest.fixture(autouse=True)
+def _cut_units(monkeypatch):
+    """The interpreter has one slot: force more, so that long requests are cut over several
+    programs and merged (the packed windows' merge included)."""
+    monkeypatch.setenv("ROCM_MLA_TRITON_SLOTS", "5")
+
+
+def _window_lengths(backend: str, world: int, interleave: int) -> list[tuple[int, bool]]:
+    """``(S_q, causal)`` cases: every one for torch; for the (slow) interpreter two per
+    layout, rotating so that the nine layouts cover S_q 1 to 8 both causal and not."""
+    every = [(q_len, causal) for q_len in range(1, 9) for causal in (True, False)]
+    if backend == "torch":
+        return every
+    k = WORLDS.index(world) * len(INTERLEAVES) + INTERLEAVES.index(interleave)
+    return [every[(2 * k) % 16], every[(2 * k + 9) % 16]]
+
+
+def _dcp_decode(backend, q, kv, block_table, lengths, world, interleave, causal):
+    """Every rank's decode of its shard with per-row bounds, merged by LSE."""
+    q_len = q.shape[1]
+    outs, lses = [], []
+    for rank in range(world):
+        shard, table, local = dcp_shard(kv, block_table, lengths, world, rank, interleave)
+        if causal:
+            rows = verify_local_seq_lens(torch.tensor(lengths), q_len, world, rank, interleave)
+        else:
+            rows = local[:, None].expand(-1, q_len)
+        out, lse = rocm_mla.mla_decode(
+            q,
+            shard,
+            table,
+            local,
+            causal=causal,
+            row_seqlens=rows.to(torch.int32).contiguous(),
+            backend=backend,
+        )
+        outs.append(out)
+        lses.append(lse)
+    return rocm_mla.merge_states(torch.stack(outs), torch.stack(lses))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("interleave", INTERLEAVES)
+@pytest.mark.parametrize("world", WORLDS)
+def test_dcp_rows_merge_to_the_global_attention(backend, world, interleave):
+    # Ragged lengths: shorter than N * I (ranks without keys), around a run boundary, long.
+    lengths = [1, 3, world * interleave - 1, world * interleave + 5, 3 * world * interleave + 7]
+    for q_len, causal in _window_lengths(backend, world, interleave):
+        q, kv, table, lens = make_paged_problem(
+            lengths, num_heads=HEADS, q_len=q_len, block_size=BLOCK, seed=q_len
+        )
+        out, lse = _dcp_decode(backend, q, kv, table, lengths, world, interleave, causal)
+        ref_out, ref_lse = dense_mla_decode(q, kv, table, lens, causal=causal)
+        assert_same_attention(out, lse, ref_out.float(), ref_lse.float(), TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_bounds_are_each_rows_keys(backend):
+    """Any bounds in [0, L], not only DCP's: each row sees exactly its first keys."""
+    lengths = [0, 5, 70, 130]
+    q, kv, table, lens = make_paged_problem(lengths, num_heads=HEADS, q_len=3, block_size=BLOCK)
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.stack([torch.randint(0, n + 1, (3,), generator=gen) for n in lengths])
+    for causal in (False, True):
+        if causal:
+            rows = rows.sort(dim=1).values
+        got = rocm_mla.mla_decode(
+            q, kv, table, lens, causal=causal, row_seqlens=rows.to(torch.int32), backend=backend
+        )
+        ref = dense_mla_decode(q, kv, table, lens, row_seqlens=rows.tolist())
+        assert_same_attention(*got, ref[0].float(), ref[1].float(), TOL)
+
+
+def _packed(sizes, lengths, seed):
+    q, kv, table, lens = make_paged_problem(
+        lengths, num_heads=HEADS, q_len=max(sizes), block_size=BLOCK, seed=seed
+    )
+    packed = torch.cat([q[b, :n] for b, n in enumerate(sizes)])
+    qsl = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    return packed, qsl, kv, table, lens
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_windows_of_different_lengths(backend):
+    sizes = [4, 1, 1, 4, 2, 8]
+    lengths = [40, 1, 300, 3, 65, 129]
+    q, qsl, kv, table, lens = _packed(sizes, lengths, seed=3)
+    for causal in (True, False):
+        out, lse = rocm_mla.mla_decode(
+            q, kv, table, lens, causal=causal, query_start_loc=qsl, max_q_len=8, backend=backend
+        )
+        ref = dense_varlen_mla_decode(q, qsl, kv, table, lens, causal=causal)
+        assert out.shape == (q.shape[0], HEADS, 512) and lse.shape == (q.shape[0], HEADS)
+        assert_same_attention(out, lse, ref[0].float(), ref[1].float(), TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("interleave", [1, 16])
+def test_windows_of_different_lengths_under_dcp(backend, interleave):
+    """Ragged windows with per-row DCP bounds: the ranks' merge is the global attention."""
+    world, sizes, lengths = 4, [3, 1, 5, 2], [2, 70, 200, 9]
+    q, qsl, kv, table, lens = _packed(sizes, lengths, seed=5)
+    ref = dense_varlen_mla_decode(q, qsl, kv, table, lens, causal=True)
+    outs, lses = [], []
+    for rank in range(world):
+        shard, local_table, local = dcp_shard(kv, table, lengths, world, rank, interleave)
+        rows = torch.cat(
+            [
+                verify_local_seq_lens(torch.tensor([n]), s, world, rank, interleave)[0]
+                for n, s in zip(lengths, sizes, strict=True)
+            ]
+        )
+        out, lse = rocm_mla.mla_decode(
+            q,
+            shard,
+            local_table,
+            local,
+            query_start_loc=qsl,
+            max_q_len=max(sizes),
+            row_seqlens=rows.to(torch.int32),
+            backend=backend,
+        )
+        outs.append(out)
+        lses.append(lse)
+    out, lse = rocm_mla.merge_states(torch.stack(outs), torch.stack(lses))
+    assert_same_attention(out, lse, ref[0].float(), ref[1].float(), TOL)
+
+
+# ---- bad input: named errors before any work ---------------------------------------------
+
+
+def _call(**kw):
+    q, kv, table, lens = make_paged_problem([10, 20], num_heads=HEADS, q_len=2, block_size=16)
+    return rocm_mla.mla_decode(q, kv, table, lens, backend="torch", **kw)
+
+
+def test_bounds_past_the_request_are_refused():
+    rows = torch.tensor([[10, 11], [19, 20]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"row_seqlens must be KV bounds in \[0, cache_seqlens\]"):
+        _call(row_seqlens=rows)
+
+
+def test_bounds_past_the_block_table_are_refused():
+    # A length past the table's capacity is refused with the bounds inside it.
+    q, kv, table, lens = make_paged_problem([10, 20], num_heads=HEADS, q_len=2, block_size=16)
+    rows = torch.tensor([[9, 10], [19, 20]], dtype=torch.int32)
+    lens = torch.tensor([10, 16 * table.shape[1] + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_seqlens must be at most the block table"):
+        rocm_mla.mla_decode(q, kv, table, lens, row_seqlens=rows, backend="torch")
+
+
+def test_decreasing_bounds_in_a_causal_window_are_refused():
+    rows = torch.tensor([[5, 4], [19, 20]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="non-decreasing along each causal window"):
+        _call(row_seqlens=rows)
+    _call(row_seqlens=rows, causal=False)  # any order without causality
+
+
+@pytest.mark.parametrize(
+    ("qsl", "message"),
+    [
+        ([1, 2, 4], r"window starts from 0 to T = 4"),
+        ([0, 0, 4], r"windows of 1 to max_q_len = 3 rows"),
+        ([0, 4, 4], r"windows of 1 to max_q_len = 3 rows"),
+    ],
+)
+def test_malformed_window_starts_are_refused(qsl, message):
+    q, kv, table, lens = make_paged_problem([10, 20], num_heads=HEADS, q_len=2, block_size=16)
+    with pytest.raises(ValueError, match=message):
+        rocm_mla.mla_decode(
+            q.reshape(4, HEADS, -1),
+            kv,
+            table,
+            lens,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            max_q_len=3,
+            backend="torch",
+        )
+
+
+def test_shapes_are_named():
+    with pytest.raises(ValueError, match=r"row_seqlens must be int32 \[2, 2\]"):
+        _call(row_seqlens=torch.zeros(2, 3, dtype=torch.int32))
+    q, kv, table, lens = make_paged_problem([10, 20], num_heads=HEADS, q_len=2, block_size=16)
+    with pytest.raises(ValueError, match=r"q must be 3-D \[T, num_heads, head_dim\]"):
+        rocm_mla.mla_decode(
+            q, kv, table, lens, query_start_loc=torch.tensor([0, 2, 4]).int(), max_q_len=2
+        )
+    with pytest.raises(ValueError, match="max_q_len must be the longest window"):
+        rocm_mla.mla_decode(
+            q.reshape(4, HEADS, -1), kv, table, lens, query_start_loc=torch.tensor([0, 2, 4]).int()
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_planned_call_poisons_rows_whose_bound_leaves_the_request(backend):
+    """No host check with a plan: a row whose bound lies past its request is NaN and sets
+    FAULT_ROW_BOUND; the other rows are exact and nothing outside the cache is read."""
+    q, kv, table, lens = make_paged_problem([10, 20], num_heads=HEADS, q_len=2, block_size=16)
+    plan = rocm_mla.plan_decode(
+        [10, 20], q_len=2, num_heads=HEADS, kv_dtype=kv.dtype, row_bounds=True, backend=backend
+    )
+    rows = torch.tensor([[9, 10], [19, 21]], dtype=torch.int32)
+    flag = torch.zeros(1, dtype=torch.int32)
+    out, lse = rocm_mla.mla_decode(q, kv, table, lens, row_seqlens=rows, plan=plan, fault_flag=flag)
+    assert int(flag) & rocm_mla.FAULT_ROW_BOUND
+    assert torch.isnan(lse[1, 1]).all() and torch.isnan(out[1, 1]).all()
+    ref_out, ref_lse = dense_mla_decode(q, kv, table, lens, row_seqlens=[[9, 10], [19, 20]])
+    torch.testing.assert_close(out[:, 0], ref_out[:, 0].float(), atol=TOL, rtol=TOL)
+    torch.testing.assert_close(lse[0], ref_lse[0].float(), atol=TOL, rtol=TOL)
+    with pytest.raises(rocm_mla.KVBoundsError, match="row_seqlens"):
+        rocm_mla.raise_on_fault(flag, "step 1")
+
+
+def test_a_plan_without_row_bounds_refuses_a_call_with_them():
+    q, kv, table, lens = make_paged_problem([10, 20], num_heads=HEADS, q_len=2, block_size=16)
+    plan = rocm_mla.plan_decode([10, 20], q_len=2, num_heads=HEADS, kv_dtype=kv.dtype)
+    rows = torch.tensor([[9, 10], [19, 20]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"row bounds \(row_seqlens\): plan False, call True"):
+        rocm_mla.mla_decode(q, kv, table, lens, row_seqlens=rows, plan=plan)
