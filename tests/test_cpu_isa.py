@@ -13,7 +13,7 @@ import torch
 
 import rocm_mla
 from rocm_mla.kernels import cpu_decode
-from tests.reference import dense_mla_decode, make_paged_problem
+from tests.reference import dense_mla_decode, dense_varlen_mla_decode, make_paged_problem
 
 #: (march, what ``isa()`` reports for it)
 X86_MARCHES = [("x86-64-v3", "avx2 (8 floats"), ("x86-64-v4", "avx512 (16 floats")]
@@ -124,7 +124,8 @@ def _decode(q, kv, bt, lens, dv, *, kv_scale=None, chunk=None, flag=None):
 def _check_kernel(threads: int) -> None:
     """One build against the reference: every cache dtype, 1 to 128 heads (odd counts take
     the one-head pass), verify windows, rows cut into chunks, widths that are no multiple of
-    the vector (576/512 and 100/72: the blocked loops' tails), a non-finite key."""
+    the vector (576/512 and 100/72: the blocked loops' tails), a non-finite key, per-row
+    bounds (rows without keys among them) in packed windows of different lengths."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -167,6 +168,25 @@ def _check_kernel(threads: int) -> None:
         row_nan = torch.isnan(lse).all(-1) & torch.isnan(out).flatten(2).all(-1)
         assert torch.equal(row_nan, nan) and not torch.isnan(out[1]).any()
         _close(out, lse, *dense_mla_decode(q, clean, bt, lens), TOL_FP32, rows=~nan)
+
+        sizes, lengths = [3, 1, 5, 2], [2, 70, 300, 9]
+        q, kv, bt, lens = make_paged_problem(lengths, num_heads=5, q_len=5, seed=6)
+        packed = torch.cat([q[b, :n] for b, n in enumerate(sizes)])
+        qsl = torch.tensor([0, 3, 4, 9, 11], dtype=torch.int32)
+        gen = torch.Generator().manual_seed(6)
+        bounds = [
+            torch.randint(0, n + 1, (k,), generator=gen)
+            for n, k in zip(lengths, sizes, strict=True)
+        ]
+        rows = torch.cat(bounds).to(torch.int32)
+        for chunk in (None, 24):
+            out, lse, _ = cpu_decode.decode_with_chunk(
+                packed, kv, bt, lens, head_dim_v=512, softmax_scale=576**-0.5, causal=False,
+                kv_scale=None, max_seqlen=None, fault_flag=None, chunk_keys=chunk,
+                row_seqlens=rows, query_start_loc=qsl, max_q_len=5,
+            )  # fmt: skip
+            ref = dense_varlen_mla_decode(packed, qsl, kv, bt, lens, row_seqlens=rows.tolist())
+            _close(out[None], lse[None], ref[0][None], ref[1][None], TOL_FP32)
     finally:
         torch.set_num_threads(before)
 

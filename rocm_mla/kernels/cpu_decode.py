@@ -4,30 +4,38 @@ One pass over each request's keys through its block table: every KV row (576 wid
 converted to fp32 once per task and used by all of the task's heads, scores and then the
 weighted V sum, with an online softmax in fp32. No gathered copy of the cache exists.
 
-Tasks are (request, query row, head group, key chunk), run on torch's threads: each thread
-pulls the next task, largest first, until none is left. Heads are grouped only when there are
-fewer query rows than threads (``_head_group``). Keys are cut so that every task reads about
-the same number: the chunk is the batch's total work (keys read, summed over rows and head
-groups) over ``threads * TASKS_PER_THREAD``, at least ``MIN_CHUNK_KEYS``, rounded up to the
-kernel's 8-key step (rows that fault on their length count as no work and are not cut). A
-row that sees no more keys than that is one task and writes its out and lse directly; a
-longer one is cut at multiples of the chunk from key 0, each chunk keeps its own max,
-denominator and unnormalized V sum, and after the parallel loop the row's chunks are merged
-exactly as the online softmax would have continued (sums rescaled to the largest max, then
-divided by the denominator). So one 32K-key request among 1K-key ones no longer runs on one
-thread while the others idle. The result depends on the cut only by fp32 rounding; for a
-given thread count it is deterministic.
+Tasks are (request, head group, key chunk), run on torch's threads: each thread pulls the
+next task, largest first, until none is left. A task scores every key it loads against all
+query rows of the request's window (a verify window, a DCP window with per-row bounds, or a
+window of its own length among packed ones), each row masked by its own KV bound: the keys
+are read once per request, not once per row. Heads are grouped only when there are fewer
+requests than threads (``_head_group``). Keys are cut so that every task reads about the same
+number: the chunk is the batch's total work (keys read, the furthest row's bound of each
+window, summed over windows and head groups) over ``threads * TASKS_PER_THREAD``, at least
+``MIN_CHUNK_KEYS``, rounded up to the kernel's 8-key step (rows that fault on their bound
+count as no work and are not cut). A window that reads no more keys than that is one task
+and writes its out and lse directly; a longer one is cut at multiples of the chunk from key
+0, each chunk keeps its own max, denominator and unnormalized V sum per row and head (a row
+whose bound ends before the chunk has none there), and after the parallel loop the chunks
+are merged exactly as the online softmax would have continued (sums rescaled to the largest
+max, then divided by the denominator). So one 32K-key request among 1K-key ones no longer
+runs on one thread while the others idle. The result depends on the cut only by fp32
+rounding; for a given thread count it is deterministic.
 
-Semantics are those of the torch backend: causal verify windows (row i sees
-``L - S_q + 1 + i`` keys), out in q's dtype, lse float32 natural log, rows without keys
-0 / -inf. A row is one (query position, head): a non-finite element of its query, or an
-overflowing score, makes that row NaN (out and lse), a non-finite visible cache element every
-head of the positions that see it. Bounds: a row that may see a key whose block-table
-column is at or past ``max_blocks``, or whose block id lies outside ``[0, num_blocks)``, or
-(with ``max_seqlen``, a plan's bound) a length above it, is NaN and the cause is ORed into
-``fault_flag`` (``FAULT_*`` of ``rocm_mla.inputs``); such keys are never read. A cut row
-follows the same rules: every chunk checks the bounds of the whole row before reading (so a
-faulting row reads nothing), and a head one chunk poisoned is NaN in the merged row.
+Semantics are those of the torch backend: causal verify windows (row i of a window of ``q``
+rows sees ``L - q + 1 + i`` keys), or each row's own bound (``row_seqlens``, which replaces
+causality), packed windows of different lengths (``query_start_loc``), out in q's dtype, lse
+float32 natural log, rows without keys 0 / -inf. A row is one (query position, head): a
+non-finite element of its query, or an overflowing score, makes that row NaN (out and lse),
+a non-finite visible cache element every head of the positions that see it (a key past a
+row's bound never touches that row). Bounds: a row whose given bound lies outside
+``[0, L]``, or that may see a key whose block-table column is at or past ``max_blocks``, or
+whose block id lies outside ``[0, num_blocks)``, or (with ``max_seqlen``, a plan's bound) a
+length above it, is NaN and the cause is ORed into ``fault_flag`` (``FAULT_*`` of
+``rocm_mla.inputs``); such keys are never read. Window starts are clamped into q's rows (the
+host checks them unless a plan vouches for them), and a row no window covers is NaN. A cut
+window follows the same rules: every chunk checks the bounds of all its rows before reading
+(so a faulting row reads nothing), and a head one chunk poisoned is NaN in the merged row.
 
 ISA: the kernel is built with ``-march=native`` (``$ROCM_MLA_CPU_MARCH`` names another
 target, e.g. ``x86-64-v3`` for AVX2 or ``x86-64-v4`` for AVX-512; each march builds into its
@@ -409,13 +417,13 @@ def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(torch.float32)
 
 
-def _head_group(rows: int, num_heads: int) -> int:
-    """Heads per task: all of them unless too few (request, row) tasks exist to keep every
-    thread busy; each extra group re-reads the keys, so split no further than that."""
+def _head_group(requests: int, num_heads: int) -> int:
+    """Heads per task: all of them unless too few requests exist to keep every thread busy;
+    each extra group re-reads the keys, so split no further than that."""
     threads = torch.get_num_threads()
-    if rows >= threads:
+    if requests >= threads:
         return num_heads
-    splits = min(num_heads, -(-threads // rows))
+    splits = min(num_heads, -(-threads // requests))
     return -(-num_heads // splits)
 
 
@@ -432,14 +440,21 @@ def decode(
     kv_scale: float | None = None,
     max_seqlen: int | None = None,
     fault_flag: torch.Tensor | None = None,
+    row_seqlens: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    max_q_len: int | None = None,
     _chunk_keys: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, S_q, H, head_dim_v] in q's dtype and lse [B, S_q, H] float32.
+    """out [B, S_q, H, head_dim_v] in q's dtype and lse [B, S_q, H] float32; with packed
+    windows out [T, H, head_dim_v] and lse [T, H].
 
-    ``kv_cache`` is ``[num_blocks, block_size, D]`` (q is ``[B, S_q, H, D]``);
-    ``max_seqlen`` is a plan's bound on the lengths (longer rows are NaN and fault);
-    ``fault_flag`` an int32 ``[1]`` CPU tensor. ``_chunk_keys`` (tests and benchmarks):
-    keys per chunk instead of the rule above (rounded up to 8), 0 to cut no row.
+    ``kv_cache`` is ``[num_blocks, block_size, D]`` (q is ``[B, S_q, H, D]``, or ``[T, H, D]``
+    with ``query_start_loc [B + 1]`` int32 and ``max_q_len`` its longest window);
+    ``row_seqlens`` int32 ``[B, S_q]`` (``[T]`` packed) each row's KV bound; ``max_seqlen`` is
+    a plan's bound on the lengths (longer rows are NaN and fault); ``fault_flag`` an int32
+    ``[1]`` CPU tensor. ``_chunk_keys`` (tests and benchmarks): keys per chunk instead of the
+    rule above (rounded up to 8), 0 to cut no window. The values (starts, bounds in
+    ``[0, L]``) are the caller's to check: ``rocm_mla.mla_decode`` does before any work.
     """
     out, lse, _ = decode_with_chunk(
         q,
@@ -453,6 +468,9 @@ def decode(
         max_seqlen=max_seqlen,
         fault_flag=fault_flag,
         chunk_keys=_chunk_keys,
+        row_seqlens=row_seqlens,
+        query_start_loc=query_start_loc,
+        max_q_len=max_q_len,
     )
     return out, lse
 
@@ -470,15 +488,19 @@ def decode_with_chunk(
     max_seqlen: int | None,
     fault_flag: torch.Tensor | None,
     chunk_keys: int | None,
+    row_seqlens: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    max_q_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``decode``, and the keys per chunk it used (0 when rows were not to be cut)."""
+    """``decode``, and the keys per chunk it used (0 when windows were not to be cut)."""
     _check(q, kv_cache, block_table, cache_seqlens, head_dim_v, fault_flag)
+    q_len = _check_windows(q, block_table.shape[0], row_seqlens, query_start_loc, max_q_len)
     if chunk_keys is not None and (not isinstance(chunk_keys, int) or chunk_keys < 0):
         raise ValueError(f"cpu_decode: _chunk_keys must be None or an int >= 0, got {chunk_keys}")
     module, why = _load(march())
     if module is None:
         raise RuntimeError(why)
-    batch, q_len, num_heads, _ = q.shape
+    batch, num_heads, head_dim = block_table.shape[0], q.shape[-2], q.shape[-1]
     k_scale = 1.0 if kv_scale is None else float(kv_scale)
     kv, table = kv_cache, None
     if kv_cache.dtype in FP8_DTYPES:
@@ -488,22 +510,28 @@ def decode_with_chunk(
     # q is scaled in fp32 as the reference does (q.float() * scale), so that a score that
     # overflows is inf.
     out, lse, chunk = module.decode(
-        q.contiguous(),
+        q.reshape(-1, num_heads, head_dim).contiguous(),
         kv,
         block_table.contiguous(),
         cache_seqlens.contiguous(),
         fault_flag,
         table,
+        None if query_start_loc is None else query_start_loc.contiguous(),
+        None if row_seqlens is None else row_seqlens.reshape(-1).contiguous(),
+        q_len,
         head_dim_v,
         softmax_scale * k_scale,
         -1 if max_seqlen is None else int(max_seqlen),
-        _head_group(batch * q_len, num_heads),
+        _head_group(batch, num_heads),
         bool(causal),
         k_scale,
         -1 if chunk_keys is None else chunk_keys,
         MIN_CHUNK_KEYS,
         TASKS_PER_THREAD,
     )
+    if query_start_loc is None:
+        out = out.view(batch, q_len, num_heads, head_dim_v)
+        lse = lse.view(batch, q_len, num_heads)
     return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse, chunk
 
 
@@ -514,25 +542,61 @@ def _check(q, kv_cache, block_table, cache_seqlens, head_dim_v, fault_flag) -> N
     for name, t in (("q", q), ("kv_cache", kv_cache), ("block_table", block_table)):
         if t.device.type != "cpu":
             fail(name, "on the CPU", t.device)
-    if q.dim() != 4:
-        fail("q", "[B, S_q, H, D]", list(q.shape))
+    if q.dim() not in (3, 4):
+        fail("q", "[B, S_q, H, D], or [T, H, D] packed", list(q.shape))
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         fail("q", "float32, float16 or bfloat16", q.dtype)
-    if kv_cache.dim() != 3 or kv_cache.shape[2] != q.shape[3]:
-        fail("kv_cache", f"[num_blocks, block_size, {q.shape[3]}]", list(kv_cache.shape))
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != q.shape[-1]:
+        fail("kv_cache", f"[num_blocks, block_size, {q.shape[-1]}]", list(kv_cache.shape))
     if kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES):
         fail("kv_cache", "float32, float16, bfloat16 or fp8 e4m3", kv_cache.dtype)
-    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
-        fail("block_table", f"[{q.shape[0]}, max_blocks]", list(block_table.shape))
+    if block_table.dim() != 2 or (q.dim() == 4 and block_table.shape[0] != q.shape[0]):
+        fail("block_table", "[B, max_blocks] (B: q's batch)", list(block_table.shape))
     if block_table.dtype != torch.int32:
         fail("block_table", "int32", block_table.dtype)
-    if cache_seqlens.shape != (q.shape[0],) or cache_seqlens.dtype != torch.int32:
+    batch = block_table.shape[0]
+    if cache_seqlens.shape != (batch,) or cache_seqlens.dtype != torch.int32:
         got = f"{cache_seqlens.dtype} {list(cache_seqlens.shape)}"
-        fail("cache_seqlens", f"int32 [{q.shape[0]}]", got)
-    if not 0 < head_dim_v <= q.shape[3]:
-        fail("head_dim_v", f"in [1, {q.shape[3]}]", head_dim_v)
+        fail("cache_seqlens", f"int32 [{batch}]", got)
+    if not 0 < head_dim_v <= q.shape[-1]:
+        fail("head_dim_v", f"in [1, {q.shape[-1]}]", head_dim_v)
     if fault_flag is not None:
         flag = fault_flag
         if flag.dtype != torch.int32 or flag.shape != (1,) or flag.device.type != "cpu":
             got = f"{flag.dtype} {list(flag.shape)} on {flag.device}"
             fail("fault_flag", "an int32 [1] CPU tensor", got)
+
+
+def _check_windows(q, batch, row_seqlens, query_start_loc, max_q_len) -> int:
+    """The shapes of the windows and bounds (their values are the caller's); returns the
+    longest window."""
+
+    def fail(name: str, expected: str, got: object) -> None:
+        raise ValueError(f"cpu_decode: {name} must be {expected}, got {got}")
+
+    if query_start_loc is None:
+        if q.dim() != 4:
+            fail("q", "[B, S_q, H, D] without query_start_loc", list(q.shape))
+        if max_q_len is not None:
+            fail("max_q_len", "None without query_start_loc", max_q_len)
+        q_len = q.shape[1]
+    else:
+        if q.dim() != 3:
+            fail("q", "[T, H, D] with query_start_loc", list(q.shape))
+        qsl = query_start_loc
+        if qsl.dtype != torch.int32 or qsl.shape != (batch + 1,) or qsl.device.type != "cpu":
+            fail(
+                "query_start_loc",
+                f"an int32 [{batch + 1}] CPU tensor",
+                f"{qsl.dtype} {list(qsl.shape)}",
+            )
+        if isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 1:
+            fail("max_q_len", "the longest window, an int >= 1, with query_start_loc", max_q_len)
+        q_len = max_q_len
+    tokens = q.shape[0] * (q.shape[1] if q.dim() == 4 else 1)
+    if row_seqlens is not None:
+        rows = row_seqlens
+        if rows.dtype != torch.int32 or rows.numel() != tokens or rows.device.type != "cpu":
+            got = f"{rows.dtype} {list(rows.shape)} on {rows.device}"
+            fail("row_seqlens", f"an int32 CPU tensor of {tokens} rows ([B, S_q] or [T])", got)
+    return q_len
