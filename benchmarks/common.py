@@ -169,10 +169,28 @@ def plan_inputs() -> dict:
     }
 
 
+#: The CPU flags recorded with every result: which vector paths the host can run.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile")
+
+
+def cpu_host() -> dict:
+    """The CPU a result ran on: its model, architecture, cores and the ``ISA_FLAGS`` it has."""
+    from rocm_mla.kernels import cpu_decode
+
+    flags = cpu_decode._cpu_flags() or set()
+    return {
+        "cpu_model": cpu_decode.cpu_model(),
+        "machine": platform.machine(),
+        "isa_flags": [f for f in ISA_FLAGS if f in flags],
+        "cores": os.cpu_count(),
+    }
+
+
 def environment() -> dict:
     inputs = plan_inputs()
     return {
         "device": device_name(),
+        "cpu": cpu_host(),
         "date": datetime.date.today().isoformat(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,

@@ -403,10 +403,13 @@ def record_case(case: Case, target: GpuTarget, batch: int, config=None) -> dict:
     kv_cache = torch.empty(requests * pages, PAGE_SIZE, HEAD_DIM, dtype=kv_dtype, **meta)
     block_table = torch.empty(requests, pages, dtype=torch.int32, **meta)
     seqlens = torch.empty(requests, dtype=torch.int32, **meta)
-    # Under DCP each row has its own bound on the shard; its values are read only by the
-    # kernel, so a meta tensor stands for them as for the lengths.
+    # Under DCP each row of a window has its own bound on the shard (a single query's is
+    # its request's length: no bounds); the kernel alone reads them, so a meta tensor
+    # stands for them as for the lengths.
     row_seqlens = (
-        torch.empty(requests * case.q_len, dtype=torch.int32, **meta) if case.dcp > 1 else None
+        torch.empty(requests * case.q_len, dtype=torch.int32, **meta)
+        if case.dcp > 1 and case.q_len > 1
+        else None
     )
     config, slots = md.plan_launch(
         q_len=case.q_len,

@@ -191,7 +191,7 @@ def test_a_failed_build_names_the_compilers_first_error(tmp_path, monkeypatch):
     cpu_decode._load.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="is not a member of 'at::symint'"):
-            module, reason = cpu_decode._load()
+            module, reason = cpu_decode._load(cpu_decode.NATIVE)
     finally:
         cpu_decode._load.cache_clear()
     assert module is None

@@ -174,9 +174,10 @@ def run_case(state: ParallelState, case: Case):
             dcp_rank=rank,
             dcp_interleave=case.interleave,
         )
-        # One window per request, every row with its own local bound (not a row per request).
+        # One window per request, every row with its own local bound (not a row per request);
+        # a single query's bound is its request's length.
         assert (plan.batch, plan.spec.q_len) == (len(case.lengths), case.q_len)
-        assert plan.spec.row_bounds and plan.spec.causal
+        assert plan.spec.row_bounds == (world > 1 and case.q_len > 1) and plan.spec.causal
         # The same plan serves every MLA layer of the step: decode twice, as two layers.
         first = dcp_mla_decode(
             q_in, local_kv, meta, state.dcp_group, case.backend, head_dim_v=HEAD_DIM_V, plan=plan

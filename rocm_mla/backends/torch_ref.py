@@ -7,8 +7,9 @@ and both ``Q K^T`` and ``P V`` read it there: on the CPU in one fused attention 
 chunk (``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp),
 elsewhere as two batched GEMMs with an online softmax. Chunks are merged through their
 log-sum-exps; the full gathered cache is never materialized. On the CPU, when the fused C++
-kernel (``rocm_mla.kernels.cpu_decode``) builds, every call goes to it instead: one pass over
-the keys with no gather, under the same results and NaN / fault rules.
+kernel (``rocm_mla.kernels.cpu_decode``) builds, every call goes to it instead (per-row
+bounds and packed windows included): one pass over each request's keys for all rows of its
+window, with no gather, under the same results and NaN / fault rules.
 
 Bounds: keys are read only below the plan's ``max_seqlen``, inside the block table and from
 block ids in ``[0, num_blocks)``. A query row that may see any other key comes out NaN (out
@@ -73,8 +74,7 @@ def torch_mla_decode(
     """The torch decode. ``plan`` supplies the longest length the call may read (no host
     sync); without one it is read from the lengths (one sync)."""
     p = problem
-    per_row = p.varlen or p.row_seqlens is not None
-    if p.q.device.type == "cpu" and cpu_kernel_unavailable() is None and not per_row:
+    if p.q.device.type == "cpu" and cpu_kernel_unavailable() is None:
         return cpu_decode.decode(
             p.q,
             p.kv_cache,
@@ -86,6 +86,9 @@ def torch_mla_decode(
             kv_scale=p.kv_scale,
             max_seqlen=None if plan is None else plan.max_seqlen,
             fault_flag=p.fault_flag,
+            row_seqlens=p.row_seqlens,
+            query_start_loc=p.query_start_loc,
+            max_q_len=p.max_q_len,
         )
     batch, block_size, device = p.batch, p.block_size, p.q.device
     max_blocks = p.block_table.shape[1]

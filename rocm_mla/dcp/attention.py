@@ -183,8 +183,8 @@ def dcp_mla_decode(
         softmax_scale, kv_scale: as ``mla_decode``.
         plan: the runner's ``plan_decode`` for this step's kernel call as made here: the
             gathered heads, the rank-local lengths of the requests (their last rows'), and
-            per-row bounds (``row_bounds=True``) under DCP (``dcp.plan_step_decode`` builds
-            it). None: the call plans itself.
+            under DCP per-row bounds for windows (``row_bounds=True`` where ``S_q > 1``;
+            ``dcp.plan_step_decode`` builds it). None: the call plans itself.
         fault_flag: as ``mla_decode``: this rank's kernel call ORs its ``FAULT_*`` bits
             into it (a NaN row then reaches every rank through the combine).
 

@@ -232,13 +232,15 @@ class DecodeMetadata:
         row_seqlens [B, S_q] or None)``, int32.
 
         With DCP each request is as long as its window's last row's local length (the
-        largest) and every row keeps its own bound (``mla_decode(row_seqlens=)``); without,
-        the global lengths and no row bounds (causality says them).
+        largest) and every row of a window of several keeps its own bound
+        (``mla_decode(row_seqlens=)``); a single query's bound is its request's length, so
+        it takes none (the kernel's plain walk). Without DCP, the global lengths and no row
+        bounds (causality says them).
         """
         if self.dcp_local_seq_lens is None:
             return self.seq_lens, None
         rows = self.dcp_local_seq_lens.to(torch.int32).contiguous()
-        return rows[:, -1].contiguous(), rows
+        return rows[:, -1].contiguous(), rows if rows.shape[1] > 1 else None
 
 
 def plan_step_decode(
@@ -284,4 +286,4 @@ def plan_step_decode(
         # The layer reads only the output; an AITER release without an LSE may serve it.
         return plan_decode(seq_lens, q_len=q_len, causal=True, return_lse=False, **common)
     local = verify_local_seq_lens(seq_lens, q_len, dcp_world_size, dcp_rank, dcp_interleave)
-    return plan_decode(local[:, -1], q_len=q_len, causal=True, row_bounds=True, **common)
+    return plan_decode(local[:, -1], q_len=q_len, causal=True, row_bounds=q_len > 1, **common)

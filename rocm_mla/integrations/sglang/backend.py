@@ -343,7 +343,8 @@ class RocmMLAAttnBackend(AttentionBackend):
             rope_dim=self.rope_dim,
             kv_dtype=self.kv_dtype,
             q_dtype=self.q_dtype,
-            row_bounds=self.dcp_size > 1,
+            # A single query's bound is its request's length (DecodeMetadata.shard_lengths).
+            row_bounds=self.dcp_size > 1 and q_len > 1,
             # Only SGLang's DCP merge reads the decode's LSE.
             return_lse=self.dcp_size > 1,
             device=self.device,
