@@ -268,3 +268,31 @@ def test_the_triton_backend_lists_a_refused_shape_among_its_reasons(refusing_gfx
         r for r in refused if "96 rows" in r and "spills 41 VGPRs" in r
     ]
     assert len(refused) == len(kept) + 1
+
+
+def test_gfx1250_refuses_exactly_the_cases_its_bench_static_result_refuses():
+    # The committed bench static run of the target the table refuses shapes on: every case it
+    # does not refuse passes every gate there, and each refused one is refused by the table.
+    from rocm_mla.kernels.mla_decode_args import refusal_reason
+    from rocm_mla.kernels.target import TritonTarget
+
+    key = "gfx1250"
+    runs = sorted(
+        (ROOT / "benchmarks" / "results").glob(f"kernel-static-{key}-triton-3.9.0-*.json")
+    )
+    payload = json.loads(runs[-1].read_text())
+    target = TritonTarget("hip", key, 256)
+    assert len(payload["results"]) == 54
+    for result in payload["results"]:
+        case = result["case"]
+        kv_dtype = torch.bfloat16 if case["kv"] == "bf16" else TARGETS[key].fp8_dtype
+        reason = refusal_reason(
+            target, num_heads=case["heads"], q_len=case["q_len"], kv_dtype=kv_dtype
+        )
+        compiles = result["gates"]["compiles"]
+        if reason is None:
+            assert all(v["pass"] is not False for v in result["gates"].values()), case["name"]
+            assert compiles["pass"] is True, case["name"]
+        else:
+            assert compiles["applies"] is False, case["name"]
+            assert reason.split(" (")[0] in compiles["evidence"]["planning"], case["name"]
