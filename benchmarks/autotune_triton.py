@@ -21,15 +21,19 @@ The stored ``config`` is the table entry as swept (64 rows); the buckets' smalle
 counts shrink it at launch as ``plan_launch`` does.
 
 Without the target's GPU, ``--compiled KEY`` chooses on compiled evidence instead of time
-(``rocm-mla bench static``'s compile and gates, for a registry key, under ``--triton``):
-every candidate of a shape is compiled as bench static compiles a case (B 32 of a 32K
-context) and gated; of those passing every gate, the entry is the one with the least
-issued/useful matrix work, then the most resident programs per CU, then the largest BLOCK_N,
-then the fewest registers (a memory-bound decode hides latency with resident programs and
-long tiles; none of this is timed, and the sources say so):
+(``rocm-mla bench static``'s compile and gates, for a registry key, under ``--triton``). The
+shapes asked for are grouped by the table key that answers them (``--heads 12 16`` both read
+the 16-head bucket), and every candidate of a key is compiled at each of its shapes as bench
+static compiles a case (B 8, 32 and 128 of a 32K context) and gated. The entry is the
+candidate passing every gate at the most shapes, then the one with the least issued/useful
+matrix work, the most resident programs per CU, the largest BLOCK_N, the fewest registers
+(a memory-bound decode hides latency with resident programs and long tiles; none of this is
+timed, and the sources say so). A shape the entry fails is refused by the row group it
+would run in (the entry's ``refuse``, ``tuned_configs.read_table_file``), with each
+candidate's failing gates as the reason, unless a shape it passes runs the same group:
 
     python -m benchmarks.autotune_triton --compiled gfx1250 --triton 3.9.0 --focused \
-        --heads 16 64 128 --q-lens 1 2 4 [--jobs 2] [--out FILE]
+        --heads 12 16 24 48 64 96 128 --q-lens 1 2 4 8 [--jobs 2] [--out FILE]
 
 Timing: ``triton.testing.do_bench`` (median of a fixed time budget, L2 flushed between
 runs). Compiles dominate: the defaults (8 buckets, up to 33 configs each) should take tens
@@ -51,10 +55,6 @@ import torch
 from benchmarks import common
 
 HEAD_DIM, HEAD_DIM_V, BLOCK_SIZE = 576, 512, 64
-#: ``--compiled`` gates each candidate at bench static's middle batch (32 requests of 32K keys:
-#: one stage-1 specialization, buffer loads); ``rocm-mla bench static`` then gates the table
-#: at all three.
-COMPILED_BATCHES = (32,)
 
 
 def sweep(target, kv_kind: str, quick: bool) -> list:
@@ -149,7 +149,15 @@ def _amd_focused(target, heads: int, q_len: int, kv_kind: str) -> list:
     halves, under 64 rows a 16-row group on 4 or 8 waves; 16-, 32- or 64-key tiles (32 is a
     wave32 WMMA's K for 16-bit P.V), two stages (three once), one or two waves per EU (the
     registers LLVM may give a wave). fp8 runs Q.K^T in fp8 (P.V in fp16). The target's XCD
-    remap and kpack (the registry's), 16-wide matrix ops."""
+    remap and kpack (the registry's), 16-wide matrix ops.
+
+    From 64 rows on, three more for the row counts a 64-row group pads (96 rows run as three
+    32-row groups, ``group_config``): 32-row groups of 2 waves, each owning 16 rows; a 64-row
+    group that shrinks to 32 rows on all 4 waves with keys as the dots' M (so no wave repeats
+    another's Q.K^T), never below 32; and a 64-row group that never shrinks (a bucket's
+    smaller head counts then run one padded group)."""
+    from dataclasses import replace
+
     from rocm_mla.kernels.tuned_configs import LaunchConfig
 
     knobs = {
@@ -160,51 +168,115 @@ def _amd_focused(target, heads: int, q_len: int, kv_kind: str) -> list:
         "fp8_qk": kv_kind == "fp8",
     }
     if heads * q_len >= 64:
-        return [
+        configs = [
             LaunchConfig(
                 block_h=64, block_n=n, num_warps=4, num_stages=s, dv_chunks=2, rows_per_warp=16,
                 **knobs, waves_per_eu=w,
             )
             for n, s, w in ((32, 2, 1), (32, 2, 2), (16, 2, 2), (64, 2, 2), (32, 3, 2))
         ]  # fmt: skip
+        whole = replace(configs[0], rows_per_warp=None)
+        return [
+            *configs,
+            replace(configs[0], block_h=32, num_warps=2),
+            replace(whole, shrunk_keys_as_m=True, min_block_h=32),
+            replace(whole, min_block_h=64),
+        ]
     return [
         LaunchConfig(block_h=16, block_n=n, num_warps=w, num_stages=2, **knobs, waves_per_eu=e)
         for n, w, e in ((32, 4, 1), (32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 8, 2))
     ]
 
 
-def _choose_compiled(results: list[tuple[object, dict, dict]]) -> tuple[object, dict] | None:
-    """The candidate ``(config, evidence)`` compiled evidence prefers, of ``(config, bench
-    static's result for its case, its stage-1 kernels)``: every gate passes, then the least
-    issued/useful (B 32), the most resident programs per CU, the largest BLOCK_N, the fewest
-    registers; None when no candidate passes."""
+def _passing(result: dict, kernels: dict) -> dict | None:
+    """A candidate's evidence at one shape (B 32) when every gate of bench static passes there at
+    every batch, else None."""
+    verdicts = result["gates"]
+    if not result["per_batch"] or any(v["pass"] is False for v in verdicts.values()):
+        return None
+    at = {b["batch"]: b for b in result["per_batch"]}
+    b = at.get(32, result["per_batch"][0])
+    info = kernels[b["stage1"]]
+    return {
+        "issued_over_useful": b["issued_over_useful"] or 1.0,
+        "resident_per_cu": b["resident_per_unit"],
+        "registers": info["regs_per_thread"] + info.get("agprs_per_thread", 0),
+    }
+
+
+def _failure(result: dict, kernels: dict) -> str:
+    """The gates a candidate fails at one shape, with their figures (for a refusal's reason)."""
+    failed = sorted(k for k, v in result["gates"].items() if v["pass"] is False)
+    spills = max(
+        (kernels[b["stage1"]].get("vgpr_spill_count") or 0 for b in result["per_batch"]), default=0
+    )
+    issued = max((b["issued_over_useful"] or 1.0 for b in result["per_batch"]), default=1.0)
+    figures = {"no_spills": f"{spills} VGPRs spilled", "issued_over_useful": f"{issued:.2f}"}
+    return ", ".join(f"{gate} ({figures[gate]})" if gate in figures else gate for gate in failed)
+
+
+def _choose_compiled(
+    results: list[tuple[object, list[tuple[tuple, dict]]]], kernels: dict
+) -> tuple[object, dict, list[tuple]] | None:
+    """``(config, evidence, the shapes it fails)`` compiled evidence prefers for one table key,
+    of ``[(config, [(shape, bench static's result there), ...]), ...]``: every shape it fails
+    refusable by its row group (``_refusals``), then the most of the key's shapes passing every
+    gate; then, over those shapes, the least issued/useful (B 32), the most resident programs
+    per CU, the largest BLOCK_N, the fewest registers (each at its worst shape); None when no
+    candidate passes at any shape."""
     ranked = []
-    for config, result, kernels in results:
-        verdicts = result["gates"]
-        if not result["per_batch"] or any(v["pass"] is False for v in verdicts.values()):
+    for order, (config, per_shape) in enumerate(results):
+        passing = {shape: _passing(result, kernels) for shape, result in per_shape}
+        good = [e for e in passing.values() if e is not None]
+        if not good:
             continue
-        at = {b["batch"]: b for b in result["per_batch"]}
-        b = at.get(32, result["per_batch"][0])
-        info = kernels[b["stage1"]]
-        regs = info["regs_per_thread"] + info.get("agprs_per_thread", 0)
         evidence = {
-            "issued_over_useful": b["issued_over_useful"],
-            "resident_per_cu": b["resident_per_unit"],
-            "block_n": b["config"]["block_n"],
-            "registers": regs,
-            "gates_passed": sorted(k for k, v in verdicts.items() if v["pass"]),
+            "issued_over_useful": max(e["issued_over_useful"] for e in good),
+            "resident_per_cu": min(e["resident_per_cu"] for e in good),
+            "block_n": config.block_n,
+            "registers": max(e["registers"] for e in good),
         }
-        issued = round(b["issued_over_useful"] or 1.0, 2)
-        key = (issued, -b["resident_per_unit"], -config.block_n, regs)
-        ranked.append((key, config, evidence))
+        failed = [shape for shape, e in passing.items() if e is None]
+        unrefusable = bool(failed) and _refusals(config, list(passing), failed, {}) is None
+        key = (
+            unrefusable,
+            len(failed),
+            round(evidence["issued_over_useful"], 2),
+            -evidence["resident_per_cu"],
+            -config.block_n,
+            evidence["registers"],
+            order,
+        )
+        ranked.append((key, config, evidence, failed))
     if not ranked:
         return None
-    _, config, evidence = min(ranked, key=lambda r: r[0])
-    return config, evidence
+    _, config, evidence, failed = min(ranked, key=lambda r: r[0])
+    return config, evidence, failed
+
+
+def _refusals(config, shapes: list[tuple], failed: list[tuple], why: dict) -> list[dict] | None:
+    """The table entry's ``refuse`` list for the shapes ``config`` fails: each by the row group
+    ``group_config`` runs them in, with ``why`` (``{shape: reason}``); None when a refused group
+    would also be one a passing shape runs (the entry then refuses nothing, and bench static
+    shows the failure)."""
+    from rocm_mla.kernels.mla_decode_args import group_config
+
+    def group(shape: tuple) -> int:
+        return group_config(config, shape[0] * shape[1]).block_h
+
+    passing = {group(s) for s in shapes if s not in failed}
+    refused: dict[int, list[str]] = {}
+    for shape in failed:
+        if group(shape) in passing:
+            return None
+        refused.setdefault(group(shape), []).append(
+            f"H{shape[0]} S_q {shape[1]}: {why.get(shape, 'fails a gate')}"
+        )
+    return [{"block_h": block_h, "why": "; ".join(r)} for block_h, r in sorted(refused.items())]
 
 
 def compiled(args, parser) -> Path:
-    """``--compiled KEY``: choose each shape's entry on compiled evidence (the module
+    """``--compiled KEY``: choose each table key's entry on compiled evidence (the module
     docstring), and write the table file."""
     import triton
 
@@ -217,85 +289,121 @@ def compiled(args, parser) -> Path:
     target = ks.TARGETS[args.compiled]
     here = target.triton_target()
     spec = TARGETS[args.compiled]
-    shapes = list(itertools.product(args.heads, args.q_lens, args.kv))
-    cases, configs, candidates = [], {}, {}
-    for heads, q_len, kv_kind in shapes:
-        kv_dtype = torch.bfloat16 if kv_kind == "bf16" else spec.fp8_dtype
-        current = tables.lookup(spec.table, heads, q_len, kv_dtype).config
-        space = (
-            focused(here, heads, q_len, kv_kind)
-            if args.focused
-            else sweep(here, kv_kind, args.quick)
+    # The shapes asked for, by the table key that answers them: a key's entry must serve each.
+    keys: dict[tuple[str, str, str], list[tuple[int, int, str]]] = {}
+    for heads, q_len, kv_kind in itertools.product(args.heads, args.q_lens, args.kv):
+        key = (
+            tables.head_bucket(heads),
+            tables.q_len_bucket(q_len),
+            "fp8" if kv_kind == "fp8" else "16bit",
         )
-        for i, config in enumerate([current] + [c for c in space if c != current]):
-            case = ks.Case(f"H{heads} Sq{q_len} {kv_kind} candidate {i}", heads, q_len, kv_kind)
-            cases.append(case)
-            configs[case.name] = config
-            candidates.setdefault((heads, q_len, kv_kind), []).append((case, config))
+        keys.setdefault(key, []).append((heads, q_len, kv_kind))
+    cases, configs, candidates = [], {}, {}
+    for key, shapes in keys.items():
+        heads, q_len, kv_kind = shapes[-1]
+        kv_dtype = torch.bfloat16 if kv_kind == "bf16" else spec.fp8_dtype
+        tried = [tables.lookup(spec.table, heads, q_len, kv_dtype).config]
+        for h, q, kv in shapes:
+            space = focused(here, h, q, kv) if args.focused else sweep(here, kv, args.quick)
+            tried += [c for c in space if c not in tried]
+        for i, config in enumerate(tried):
+            runs = []
+            for shape in shapes:
+                h, q, kv = shape
+                case = ks.Case(f"H{h} Sq{q} {kv} candidate {i}", h, q, kv)
+                cases.append(case)
+                configs[case.name] = config
+                runs.append((shape, case))
+            candidates.setdefault(key, []).append((config, runs))
     ks.use_hip_linker()
-    payload = ks.run(
-        tuple(cases), [target], workers=args.jobs, configs=configs, batches=COMPILED_BATCHES
-    )
+    payload = ks.run(tuple(cases), [target], workers=args.jobs, configs=configs)
+    kernels = payload["kernels"]
     by_name = {r["case"]["name"]: r for r in payload["results"]}
     today = datetime.date.today().isoformat()
     entries, report = [], []
-    for (heads, q_len, kv_kind), tried in candidates.items():
-        results = [(config, by_name[case.name], payload["kernels"]) for case, config in tried]
-        chosen = _choose_compiled(results)
+    smallest_q = {}
+    for h, s, kind in keys:
+        smallest_q[h, kind] = min(smallest_q.get((h, kind), s), s, key=int)
+    for key, tried in candidates.items():
+        shapes = keys[key]
+        results = [
+            (config, [(shape, by_name[case.name]) for shape, case in runs])
+            for config, runs in tried
+        ]
         report.append(
             {
-                "heads": heads,
-                "q_len": q_len,
-                "kv": kv_kind,
+                "key": list(key),
+                "shapes": [list(s) for s in shapes],
                 "candidates": [
                     {
                         "config": config.to_dict(),
-                        "failed_gates": sorted(
-                            k for k, v in result["gates"].items() if v["pass"] is False
-                        ),
-                        "resident_per_cu": [b["resident_per_unit"] for b in result["per_batch"]],
-                        "issued_over_useful": [
-                            b["issued_over_useful"] for b in result["per_batch"]
+                        "per_shape": [
+                            {
+                                "shape": list(shape),
+                                "failed": _failure(result, kernels),
+                                "resident_per_cu": [
+                                    b["resident_per_unit"] for b in result["per_batch"]
+                                ],
+                                "issued_over_useful": [
+                                    b["issued_over_useful"] for b in result["per_batch"]
+                                ],
+                            }
+                            for shape, result in per_shape
                         ],
                     }
-                    for config, result, _ in results
+                    for config, per_shape in results
                 ],
             }
         )
+        chosen = _choose_compiled(results, kernels)
         if chosen is None:
-            print(f"autotune: no candidate of H{heads} S_q{q_len} {kv_kind} passes every gate",
+            print(f"autotune: no candidate of {key} passes every gate at any of {shapes}",
                   file=sys.stderr)  # fmt: skip
             continue
-        config, evidence = chosen
+        config, evidence, failed = chosen
+        named = ", ".join(f"H{h} S_q {q}" for h, q, _ in shapes)
         source = (
             f"unmeasured: autotune --compiled on Triton {triton.__version__} ({today}, no "
-            f"{args.compiled} GPU): of {len(tried)} candidates, every bench-static gate passes "
-            "at B 32 of 32K keys, then the least issued/useful, most resident programs "
-            f"per CU, largest BLOCK_N, fewest registers: issued/useful "
-            f"{evidence['issued_over_useful']}, {evidence['resident_per_cu']} programs/CU, "
-            f"{evidence['registers']} VGPRs, no spills"
+            f"{args.compiled} GPU) over {named}: of {len(tried)} candidates, the most shapes "
+            "passing every bench-static gate (B 8, 32 and 128 of 32K keys), then the least "
+            "issued/useful, most resident programs per CU, largest BLOCK_N, fewest registers: "
+            f"issued/useful {evidence['issued_over_useful']}, {evidence['resident_per_cu']} "
+            f"programs/CU, {evidence['registers']} VGPRs, no spills"
         )
-        # A head count's shortest swept window answers its every window (q_len "*"); the
-        # longer ones swept have their own buckets.
-        shortest = q_len == min(args.q_lens)
-        entries.append(
-            {
-                "heads": tables.head_bucket(heads),
-                "q_len": "*" if shortest else tables.q_len_bucket(q_len),
-                "kv": "fp8" if kv_kind == "fp8" else "16bit",
-                "config": config.to_dict(),
-                "source": source,
+        entry = {
+            "heads": key[0],
+            # A head bucket's smallest S_q bucket swept answers its every other one.
+            "q_len": "*" if key[1] == smallest_q[key[0], key[2]] else key[1],
+            "kv": key[2],
+            "config": config.to_dict(),
+            "source": source,
+        }
+        if failed:
+            by_shape = dict(results[[c for c, _ in results].index(config)][1])
+            passed_elsewhere = {
+                shape: sum(_passing(dict(r)[shape], kernels) is not None for _, r in results)
+                for shape in failed
             }
-        )
-        print(f"H{heads} S_q{q_len} {kv_kind}: {config}", file=sys.stderr)
+            why = {
+                shape: f"this config fails {_failure(by_shape[shape], kernels)}; "
+                f"{passed_elsewhere[shape]} of the {len(tried)} candidates pass there"
+                + ("" if passed_elsewhere[shape] else " (every other fails a gate too)")
+                for shape in failed
+            }
+            refuse = _refusals(config, shapes, failed, why)
+            if refuse:
+                entry["refuse"] = refuse
+            print(f"autotune: {key} fails at {failed}; refused: {refuse}", file=sys.stderr)
+        entries.append(entry)
+        print(f"{key}: {config}", file=sys.stderr)
     # A table answers every lookup: a head bucket not swept takes its KV kind's choice for the
     # fewest heads swept, and any other kind (fp32, a test dtype) the 16-bit one; neither was
-    # compiled for those shapes.
+    # compiled for those shapes, so neither refuses any.
     wildcards = []
     for kind in ("16bit", "fp8", "*"):
         of_kind = [e for e in entries if e["kv"] == (kind if kind != "*" else "16bit")]
         if of_kind:
-            first = of_kind[0]
+            first = {k: v for k, v in of_kind[0].items() if k != "refuse"}
             wildcards.append(
                 {
                     **first,

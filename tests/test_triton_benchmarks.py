@@ -142,3 +142,89 @@ def test_autotune_checks_each_config_through_cut_units_and_the_merge():
     assert autotune_triton.is_correct(config, check, reference) is None
     wrong = (reference[0] + 0.1, reference[1])
     assert autotune_triton.is_correct(config, check, wrong).startswith("wrong result")
+
+
+# ---- autotune --compiled: the choice over a table key's shapes, and its refusals ----------
+
+
+def _result(passes: bool, *, issued=1.0, resident=1, regs=900, spills=0, failed=("no_spills",)):
+    """A bench-static result of one candidate at one shape (B 8, 32, 128), and its kernels."""
+    gates = {"compiles": {"pass": True}}
+    for gate in failed:
+        gates[gate] = {"pass": passes}
+    per_batch = [
+        {"batch": b, "stage1": f"k{regs}-{spills}", "issued_over_useful": issued,
+         "resident_per_unit": resident}
+        for b in (8, 32, 128)
+    ]  # fmt: skip
+    return {"gates": gates, "per_batch": per_batch}
+
+
+KERNELS = {
+    f"k{regs}-{spills}": {"regs_per_thread": regs, "vgpr_spill_count": spills}
+    for regs in (780, 900, 1013, 1024)
+    for spills in (0, 41)
+}
+
+
+def _config(**kw):
+    from rocm_mla.kernels.tuned_configs import LaunchConfig
+
+    return LaunchConfig(
+        **{"block_h": 64, "block_n": 32, "num_warps": 4, "num_stages": 2, "dv_chunks": 2, **kw}
+    )
+
+
+def test_compiled_choice_passes_the_most_shapes_then_ranks_by_evidence():
+    h64, h96 = (64, 1, "bf16"), (96, 1, "bf16")
+    split = _config(rows_per_warp=16)
+    keys_m = _config(shrunk_keys_as_m=True, min_block_h=32)
+    results = [
+        # passes at 64 rows with the fewest registers, spills at 96 (three 32-row groups)
+        (split, [(h64, _result(True, regs=780)), (h96, _result(False, regs=1024, spills=41))]),
+        (keys_m, [(h64, _result(True, regs=900)), (h96, _result(True, regs=1013))]),
+    ]
+    config, evidence, failed = autotune_triton._choose_compiled(results, KERNELS)
+    assert config == keys_m and failed == []
+    assert evidence == {
+        "issued_over_useful": 1.0, "resident_per_cu": 1, "block_n": 32, "registers": 1013
+    }  # fmt: skip
+    # Passing the same shapes, the fewer registers (at its worst shape) wins.
+    both = [(split, results[1][1]), (keys_m, [(h64, _result(True)), (h96, _result(True))])]
+    assert autotune_triton._choose_compiled(both, KERNELS)[0] == keys_m
+    # No candidate passes anywhere: no entry.
+    none = [(split, [(h96, _result(False, spills=41))])]
+    assert autotune_triton._choose_compiled(none, KERNELS) is None
+
+
+def test_compiled_refusals_name_the_row_group_and_never_a_passing_one():
+    split = _config(rows_per_warp=16)
+    windows = [(12, 4, "fp8"), (12, 8, "fp8"), (16, 4, "fp8"), (16, 8, "fp8")]
+    why = {(12, 8, "fp8"): "no_spills (41 VGPRs spilled)"}
+    # 96 rows run as 32-row groups of 2 waves; 48, 64 and 128 rows as 64-row groups.
+    assert autotune_triton._refusals(split, windows, [(12, 8, "fp8")], why) == [
+        {"block_h": 32, "why": "H12 S_q 8: no_spills (41 VGPRs spilled)"}
+    ]
+    # A failing shape in a group a passing shape also runs cannot be refused by its group.
+    why[(16, 8, "fp8")] = "issued_over_useful (1.53)"
+    assert autotune_triton._refusals(split, windows, [(16, 8, "fp8")], why) is None
+
+
+def test_compiled_failure_names_each_gate_with_its_figure():
+    result = _result(False, issued=1.529, spills=41, failed=("issued_over_useful", "no_spills"))
+    text = autotune_triton._failure(result, KERNELS)
+    assert text == "issued_over_useful (1.53), no_spills (41 VGPRs spilled)"
+
+
+def test_compiled_choice_prefers_failures_it_can_refuse():
+    # 96 rows of an fp8 window fail with both: as three 32-row groups (refusable: no other
+    # shape runs 32-row groups) or as two padded 64-row groups (not: 64-row groups pass at 64).
+    h16, h12 = (16, 4, "fp8"), (12, 8, "fp8")
+    split = _config(rows_per_warp=16)
+    padded = _config(min_block_h=64)
+    results = [
+        (padded, [(h16, _result(True, regs=780)), (h12, _result(False, issued=1.333))]),
+        (split, [(h16, _result(True, regs=900)), (h12, _result(False, spills=41))]),
+    ]
+    config, _, failed = autotune_triton._choose_compiled(results, KERNELS)
+    assert config == split and failed == [h12]

@@ -183,3 +183,116 @@ def test_a_file_that_is_not_json_is_a_named_error(tmp_path):
         tables.read_table_file(path)
     with pytest.raises(tables.TableFileError, match="not a readable JSON file"):
         tables.read_table_file(tmp_path / "missing.json")
+
+
+# ---- an entry's refusals (issue 41, item 6: a shape refused by name, with the reason) -----
+
+WIDE = {"block_h": 64, "block_n": 32, "num_warps": 4, "num_stages": 2, "rows_per_warp": 16}
+REFUSING = {**ENTRY, "config": WIDE, "refuse": [{"block_h": 32, "why": "spills 41 VGPRs"}]}
+
+
+@pytest.mark.parametrize(
+    ("refuse", "message"),
+    [
+        ({"block_h": 32, "why": "x"}, "'refuse' must be a list"),
+        ([{"block_h": 48, "why": "x"}], "power of two in \\[16, 64\\]"),
+        ([{"block_h": 128, "why": "x"}], "power of two in \\[16, 64\\]"),
+        ([{"block_h": True, "why": "x"}], "each 'refuse' item"),
+        ([{"block_h": 32}], "each 'refuse' item"),
+        ([{"block_h": 32, "why": " "}], "each 'refuse' item"),
+        ([{"block_h": 32, "why": "x", "rows": 96}], "each 'refuse' item"),
+        ([{"block_h": 32, "why": "x"}, {"block_h": 32, "why": "y"}], "block_h 32 twice"),
+    ],
+)
+def test_a_bad_refusal_is_a_named_error(tmp_path, refuse, message):
+    path = _write(
+        tmp_path / "bad.json", {"target": "gfx950", "entries": [{**REFUSING, "refuse": refuse}]}
+    )
+    with pytest.raises(tables.TableFileError, match=f"entry 0: .*{message}") as caught:
+        tables.read_table_file(path)
+    assert str(path) in str(caught.value)
+
+
+@pytest.fixture
+def refusing_gfx950(tmp_path):
+    """gfx950's table with one entry, for every shape, refusing its 32-row groups."""
+    path = _write(tmp_path / "refusing.json", {"target": "gfx950", "entries": [REFUSING]})
+    saved = dict(tables.TABLES["gfx950"])
+    tables.TABLES["gfx950"] = tables.read_table_file(path).entries
+    try:
+        yield
+    finally:
+        tables.TABLES["gfx950"] = saved
+
+
+def test_a_refused_row_group_is_refused_by_name_and_no_other(refusing_gfx950):
+    from rocm_mla.kernels.mla_decode_args import default_config, refusal_reason
+    from rocm_mla.kernels.target import TritonTarget
+
+    gfx950 = TritonTarget("hip", "gfx950", 256)
+    fp8 = torch.float8_e4m3fn
+    # 96 rows run as three 32-row groups of 2 waves: refused, the shape and the reason named.
+    with pytest.raises(tables.RefusedShape) as caught:
+        default_config(gfx950, num_heads=24, q_len=4, kv_dtype=fp8)
+    message = str(caught.value)
+    for part in ("S_q 4 x 24 heads = 96 rows", "gfx950", "32-row groups", "spills 41 VGPRs"):
+        assert part in message
+    assert tables.CONFIGS_ENV in message
+    # 64 and 128 rows run in 64-row groups, 48 rows in one padded 64-row group: not refused.
+    for heads, q_len in ((16, 4), (32, 4), (12, 4)):
+        assert refusal_reason(gfx950, num_heads=heads, q_len=q_len, kv_dtype=fp8) is None
+        assert default_config(gfx950, num_heads=heads, q_len=q_len, kv_dtype=fp8).block_h == 64
+
+
+def test_the_triton_backend_lists_a_refused_shape_among_its_reasons(refusing_gfx950, monkeypatch):
+    from rocm_mla.backends import triton as backend
+    from rocm_mla.inputs import DecodeSpec
+    from rocm_mla.kernels.target import TritonTarget
+
+    monkeypatch.setattr(backend, "_target", lambda: TritonTarget("hip", "gfx950", 256))
+
+    def spec(heads: int) -> DecodeSpec:
+        return DecodeSpec(
+            device=torch.device("cpu"),
+            q_dtype=torch.bfloat16,
+            kv_dtype=torch.bfloat16,
+            num_heads=heads,
+            q_len=4,
+            head_dim=576,
+            head_dim_v=512,
+        )
+
+    refused = backend.TritonMLAImpl.unsupported_reasons(spec(24))
+    kept = backend.TritonMLAImpl.unsupported_reasons(spec(16))
+    assert [r for r in refused if r not in kept] == [
+        r for r in refused if "96 rows" in r and "spills 41 VGPRs" in r
+    ]
+    assert len(refused) == len(kept) + 1
+
+
+def test_gfx1250_refuses_exactly_the_cases_its_bench_static_result_refuses():
+    # The committed bench static run of the target the table refuses shapes on: every case it
+    # does not refuse passes every gate there, and each refused one is refused by the table.
+    from rocm_mla.kernels.mla_decode_args import refusal_reason
+    from rocm_mla.kernels.target import TritonTarget
+
+    key = "gfx1250"
+    runs = sorted(
+        (ROOT / "benchmarks" / "results").glob(f"kernel-static-{key}-triton-3.9.0-*.json")
+    )
+    payload = json.loads(runs[-1].read_text())
+    target = TritonTarget("hip", key, 256)
+    assert len(payload["results"]) == 54
+    for result in payload["results"]:
+        case = result["case"]
+        kv_dtype = torch.bfloat16 if case["kv"] == "bf16" else TARGETS[key].fp8_dtype
+        reason = refusal_reason(
+            target, num_heads=case["heads"], q_len=case["q_len"], kv_dtype=kv_dtype
+        )
+        compiles = result["gates"]["compiles"]
+        if reason is None:
+            assert all(v["pass"] is not False for v in result["gates"].values()), case["name"]
+            assert compiles["pass"] is True, case["name"]
+        else:
+            assert compiles["applies"] is False, case["name"]
+            assert reason.split(" (")[0] in compiles["evidence"]["planning"], case["name"]

@@ -188,6 +188,20 @@ class TritonMLAImpl(MLADecodeImpl):
         return None if target is None else str(target)
 
     @classmethod
+    def unsupported_reasons(cls, call: DecodeSpec | DecodeProblem) -> list[str]:
+        reasons = super().unsupported_reasons(call)
+        if cls.unavailable_reason() is not None:
+            return reasons
+        from rocm_mla.kernels.mla_decode_args import refusal_reason
+
+        spec = call.spec if isinstance(call, DecodeProblem) else call
+        # A shape the tuned table refuses on this target (its entry's ``refuse``).
+        refused = refusal_reason(
+            _target(), num_heads=spec.num_heads, q_len=spec.q_len, kv_dtype=spec.kv_dtype
+        )
+        return reasons if refused is None else [*reasons, refused]
+
+    @classmethod
     def auto_skip_reason(cls) -> str | None:
         target = _target()
         if target is not None and target.backend == "interpreter":

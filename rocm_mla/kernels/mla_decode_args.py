@@ -15,7 +15,13 @@ import triton.language as tl
 
 from rocm_mla.kernels.quantize_q import quantize_q
 from rocm_mla.kernels.target import TritonTarget
-from rocm_mla.kernels.tuned_configs import LaunchConfig, TableEntry, lookup
+from rocm_mla.kernels.tuned_configs import (
+    CONFIGS_ENV,
+    LaunchConfig,
+    RefusedShape,
+    TableEntry,
+    lookup,
+)
 from rocm_mla.targets import TargetSpec, target_spec
 
 
@@ -44,9 +50,33 @@ def table_entry(
         # A borrowed table: no XCD remap or kpack outside the arch they were written for.
         config = replace(entry.config, num_xcds=spec.xcds, kpack=spec.kpack)
         entry = TableEntry(
-            config, f"{entry.source} ({spec.table} entry, adapted for {target.arch})"
+            config,
+            f"{entry.source} ({spec.table} entry, adapted for {target.arch})",
+            entry.refuse,
         )
     return entry
+
+
+def refusal_reason(
+    target: TritonTarget | None,
+    *,
+    num_heads: int,
+    q_len: int,
+    kv_dtype: torch.dtype,
+) -> str | None:
+    """Why the tuned table of ``target`` refuses this shape (``TableEntry.refuse``: the row
+    group its entry's config runs the S_q x H rows in), or None."""
+    entry = table_entry(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype)
+    rows = q_len * num_heads
+    block_h = group_config(entry.config, rows).block_h
+    why = entry.refused(block_h)
+    if why is None:
+        return None
+    return (
+        f"the {target_key(target)} table refuses S_q {q_len} x {num_heads} heads = {rows} rows "
+        f"of a {kv_dtype} cache on {_spec(target).key} ({block_h}-row groups: {why}); pass a "
+        f"config, or name a table file with an entry for it in {CONFIGS_ENV}"
+    )
 
 
 def default_config(
@@ -56,7 +86,11 @@ def default_config(
     q_len: int = 1,
     kv_dtype: torch.dtype = torch.bfloat16,
 ) -> LaunchConfig:
-    """The tuned stage-1 config for a shape on ``target`` (``tuned_configs.py``)."""
+    """The tuned stage-1 config for a shape on ``target`` (``tuned_configs.py``); raises
+    ``RefusedShape`` when the table refuses the shape (``refusal_reason``)."""
+    reason = refusal_reason(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype)
+    if reason is not None:
+        raise RefusedShape(f"default_config: {reason}")
     return table_entry(target, num_heads=num_heads, q_len=q_len, kv_dtype=kv_dtype).config
 
 

@@ -16,6 +16,13 @@ entry and what was wrong.
 
 Lookup goes from the most specific key to the least: an exact (heads, S_q, kv) entry, then
 the same with S_q as ``"*"``, then with heads as ``"*"`` too, then ``("*", "*", "*")``.
+
+An entry may refuse some of its shapes: ``refuse`` names the row groups (``BLOCK_H`` after
+``mla_decode_args.group_config`` fits the config to a problem's S_q x H rows) for which no
+config the table's author compiled passes every gate, with the reason. ``default_config``
+then raises ``RefusedShape`` naming the shape, and the Triton backend lists it among the
+reasons it cannot run the call; a config passed in, or a user's table entry for the key,
+runs it anyway.
 """
 
 from __future__ import annotations
@@ -149,6 +156,18 @@ class LaunchConfig:
 class TableEntry:
     config: LaunchConfig
     source: str  #: "measured: <device, run>" or "unmeasured: <why this guess>"
+    #: ``((BLOCK_H, why), ...)``: the row groups of ``config`` this entry refuses to run.
+    refuse: tuple[tuple[int, str], ...] = ()
+
+    def refused(self, block_h: int) -> str | None:
+        """Why this entry refuses to run its config in groups of ``block_h`` rows (None: it
+        does not)."""
+        return dict(self.refuse).get(block_h)
+
+
+class RefusedShape(ValueError):
+    """A shape whose table entry refuses it (``TableEntry.refuse``): the message names the
+    target, the shape, the row group and the reason."""
 
 
 Key = tuple[str, str, str]  # (heads bucket or "*", S_q bucket or "*", kv kind or "*")
@@ -163,7 +182,7 @@ class TableFileError(ValueError):
 
 #: The fields a table file may hold; ``entries`` is the table, the rest is provenance.
 _FILE_FIELDS = {"target", "before_triton", "about", "device", "environment", "entries", "sweeps"}
-_ENTRY_FIELDS = {"heads", "q_len", "kv", "config", "source", "why"}
+_ENTRY_FIELDS = {"heads", "q_len", "kv", "config", "source", "why", "refuse"}
 _KEY_VALUES = (
     ("heads", (*(str(b) for b in HEAD_BUCKETS), "*")),
     ("q_len", (*(str(b) for b in Q_LEN_BUCKETS), "*")),
@@ -202,8 +221,10 @@ def read_table_file(path: str | os.PathLike) -> TableFile:
     "config": {...}, "source": "..."}, ...]}``, ``"*"`` allowed in the three keys; optional
     ``"before_triton": "3.9"`` (the entries apply under older releases only), ``"device"``
     (an entry without ``"source"`` is ``"measured: <device>"``), ``"about"``, per entry
-    ``"why"``, and autotune's ``"environment"`` and ``"sweeps"``. Raises ``TableFileError``
-    naming the file and the entry on anything else."""
+    ``"why"`` and ``"refuse": [{"block_h": 32, "why": "..."}, ...]`` (row groups of the
+    entry's config it refuses, each at most its BLOCK_H, ``TableEntry.refuse``), and
+    autotune's ``"environment"`` and ``"sweeps"``. Raises ``TableFileError`` naming the file
+    and the entry on anything else."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -251,8 +272,38 @@ def read_table_file(path: str | os.PathLike) -> TableFile:
         source = item.get("source", f"measured: {data.get('device', 'unknown device')}")
         if not isinstance(source, str) or not source.strip():
             raise TableFileError(f"{where} {key}: 'source' must be a non-empty string")
-        entries[key] = TableEntry(config, source)
+        entries[key] = TableEntry(config, source, _refuse(item.get("refuse", []), config, where))
     return TableFile(target, before, entries)
+
+
+def _refuse(items: object, config: LaunchConfig, where: str) -> tuple[tuple[int, str], ...]:
+    """An entry's ``refuse`` list as ``((BLOCK_H, why), ...)``, checked against its config."""
+    if not isinstance(items, list):
+        raise TableFileError(f"{where}: 'refuse' must be a list of objects, got {items!r}")
+    refuse: dict[int, str] = {}
+    for item in items:
+        block_h = item.get("block_h") if isinstance(item, dict) else None
+        why = item.get("why") if isinstance(item, dict) else None
+        if (
+            not isinstance(item, dict)
+            or set(item) != {"block_h", "why"}
+            or not isinstance(block_h, int)
+            or isinstance(block_h, bool)
+            or block_h < 16
+            or block_h & (block_h - 1)
+            or block_h > config.block_h
+            or not isinstance(why, str)
+            or not why.strip()
+        ):
+            raise TableFileError(
+                f"{where}: each 'refuse' item must be {{\"block_h\": a power of two in "
+                f'[16, {config.block_h}] (the config\'s block_h), "why": a non-empty string}}, '
+                f"got {item!r}"
+            )
+        if block_h in refuse:
+            raise TableFileError(f"{where}: 'refuse' names block_h {block_h} twice")
+        refuse[block_h] = why
+    return tuple(sorted(refuse.items()))
 
 
 def load_table_file(path: str | os.PathLike) -> dict[str, dict[Key, TableEntry]]:
